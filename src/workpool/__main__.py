@@ -1,0 +1,5 @@
+"""``python -m workpool``: the command line."""
+
+from workpool.cli import main
+
+main()

@@ -1,0 +1,124 @@
+"""Checks on caller input: JSON payloads, times, names and numbers."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from datetime import datetime
+from typing import Any
+
+from workpool.core.errors import InvalidArgumentError, InvalidTypeError, PayloadTooLargeError
+
+MAX_PAYLOAD_BYTES = 1_000_000
+PAST_CLAMP_SECONDS = 365 * 86_400.0  # run_at further back than this is "now"
+MAX_FUTURE_SECONDS = 4 * 365 * 86_400.0
+NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:\-]{0,127}$")
+LOG_LEVELS = ("DEBUG", "TRACE", "INFO", "REPORT", "WARN", "ERROR")
+
+
+def encode_json(value: object, what: str) -> str:
+    """Serialise ``value`` as JSON, enforcing the size limit; raise before anything is stored."""
+    try:
+        text = json.dumps(value, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise InvalidTypeError(f"{what} must be JSON-serialisable: {exc}") from None
+    size = len(text.encode())
+    if size > MAX_PAYLOAD_BYTES:
+        raise PayloadTooLargeError(
+            f"{what} is {size:,} bytes serialised; the limit is {MAX_PAYLOAD_BYTES:,}"
+        )
+    return text
+
+
+def check_args(args: object) -> dict[str, Any]:
+    if args is None:
+        return {}
+    if not isinstance(args, dict):
+        raise InvalidTypeError(f"args must be a dict of keyword arguments, got {args!r:.80}")
+    for key in args:
+        if not isinstance(key, str) or not key.isidentifier():
+            raise InvalidArgumentError(f"args keys must be identifiers, got {key!r:.80}")
+    return args
+
+
+def check_name(name: object, what: str) -> str:
+    if not isinstance(name, str):
+        raise InvalidTypeError(f"{what} must be a str, got {type(name).__name__}")
+    if not NAME_RE.match(name):
+        raise InvalidArgumentError(
+            f"{what} {name!r:.80} is not valid: use 1-128 letters, digits, '_', '.', ':' or '-',"
+            " starting with a letter or '_'"
+        )
+    return name
+
+
+def _number(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidTypeError(f"{what} must be a number of seconds, got {value!r:.80}")
+    if not math.isfinite(value):
+        raise InvalidArgumentError(f"{what} must be finite, got {value}")
+    return float(value)
+
+
+def resolve_due_at(run_at: object, run_after: object, now: float) -> float:
+    """Unix seconds when work may first start, from ``run_at`` xor ``run_after``."""
+    if run_at is not None and run_after is not None:
+        raise InvalidArgumentError("give run_at or run_after, not both")
+    if run_after is not None:
+        delay = _number(run_after, "run_after")
+        if delay > MAX_FUTURE_SECONDS:
+            raise InvalidArgumentError(
+                f"run_after={delay} s is more than 4 years ahead; that is not a schedule"
+            )
+        return now + max(delay, 0.0)
+    if run_at is None:
+        return now
+    if isinstance(run_at, datetime):
+        if run_at.tzinfo is None:
+            raise InvalidArgumentError(
+                f"run_at={run_at.isoformat()} has no time zone; pass an aware datetime"
+            )
+        at = run_at.timestamp()
+    else:
+        at = _number(run_at, "run_at")
+    if at > now + MAX_FUTURE_SECONDS:
+        raise InvalidArgumentError(f"run_at={run_at} is more than 4 years ahead")
+    return max(at, now) if at < now - PAST_CLAMP_SECONDS else at
+
+
+def check_timeout(timeout: object) -> float | None:
+    if timeout is None:
+        return None
+    value = _number(timeout, "timeout")
+    if value <= 0:
+        raise InvalidArgumentError(f"timeout must be > 0 seconds, got {value}")
+    return value
+
+
+def check_max_parallelism(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidTypeError(f"max_parallelism must be an int, got {value!r:.80}")
+    if value < 0:
+        raise InvalidArgumentError(f"max_parallelism must be >= 0 (0 pauses), got {value}")
+    if value > 1_000_000:
+        raise InvalidArgumentError(f"max_parallelism must be <= 1,000,000, got {value}")
+    return value
+
+
+def check_log_level(value: object) -> str:
+    if not isinstance(value, str):
+        raise InvalidTypeError(f"log_level must be a str, got {type(value).__name__}")
+    level = value.upper()
+    if level == "WARNING":
+        level = "WARN"
+    if level not in LOG_LEVELS:
+        raise InvalidArgumentError(f"log_level {value!r} is not one of {', '.join(LOG_LEVELS)}")
+    return level
+
+
+def check_seconds(value: object, what: str, *, minimum: float = 0.0) -> float:
+    seconds = _number(value, what)
+    if seconds < minimum:
+        raise InvalidArgumentError(f"{what} must be >= {minimum} seconds, got {seconds}")
+    return seconds

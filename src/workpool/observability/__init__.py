@@ -1,0 +1,1 @@
+"""Structured events, log levels and per-pool reports: what workpool tells operators."""

@@ -1,0 +1,411 @@
+"""Pool: the client calls on one named pool (enqueue, status, cancel, configure, stats)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
+
+from workpool.core.errors import InvalidArgumentError, InvalidTypeError
+from workpool.core.ids import new_work_id
+from workpool.core.results import (
+    Finished,
+    Pending,
+    PendingReason,
+    Running,
+    Status,
+    result_from_json,
+)
+from workpool.core.retry import RetryBehavior, resolve_retry
+from workpool.core.validation import (
+    check_args,
+    check_log_level,
+    check_max_parallelism,
+    check_seconds,
+    check_timeout,
+    encode_json,
+    resolve_due_at,
+)
+from workpool.observability import events
+from workpool.observability.stats import PoolStats, pool_stats
+from workpool.runtime.completion import Tally
+from workpool.store.base import ActiveWork, FnKind, NewWork, PoolConfig, StatusRow, Tx
+
+if TYPE_CHECKING:
+    from workpool.app import App
+
+P = ParamSpec("P")
+R = TypeVar("R")
+CANCEL_PAGE = 64  # items canceled per transaction by cancel_all
+CLIENT_ID = "client"  # worker id under which client-side cancels are counted
+
+
+def _async_twin(fn: Callable[Concatenate[Pool, P], R]) -> Callable[Concatenate[Pool, P], Awaitable[R]]:
+    """The ``_async`` twin of a client method: the same code on a worker thread."""
+
+    async def twin(self: Pool, *args: P.args, **kwargs: P.kwargs) -> R:
+        return await asyncio.to_thread(fn, self, *args, **kwargs)
+
+    twin.__name__ = f"{fn.__name__}_async"
+    twin.__doc__ = f"Async twin of :meth:`Pool.{fn.__name__}`."
+    return twin
+
+
+def check_pool_options(
+    max_parallelism: object = None,
+    retry_actions_by_default: object = None,
+    default_retry: object = None,
+    log_level: object = None,
+    status_ttl: object = None,
+) -> dict[str, Any]:
+    """Validate pool options; the ones given, ready to overlay a PoolConfig."""
+    options: dict[str, Any] = {}
+    if max_parallelism is not None:
+        options["max_parallelism"] = check_max_parallelism(max_parallelism)
+    if retry_actions_by_default is not None:
+        if not isinstance(retry_actions_by_default, bool):
+            raise InvalidTypeError(
+                f"retry_actions_by_default must be a bool, got {retry_actions_by_default!r:.80}"
+            )
+        options["retry_actions_by_default"] = retry_actions_by_default
+    if default_retry is not None:
+        if not isinstance(default_retry, RetryBehavior):
+            raise InvalidTypeError(f"default_retry must be a RetryBehavior, got {default_retry!r:.80}")
+        options["default_retry"] = default_retry
+    if log_level is not None:
+        options["log_level"] = check_log_level(log_level)
+    if status_ttl is not None:
+        options["status_ttl"] = check_seconds(status_ttl, "status_ttl")
+    return options
+
+
+class Pool:
+    """A named pool. Options given to ``app.pool`` overwrite the stored config on first use."""
+
+    def __init__(self, app: App, name: str, options: dict[str, Any]) -> None:
+        self.app = app
+        self.name = name
+        self._options = options
+        self._applied = not options
+
+    # --- config ---------------------------------------------------------------------------
+    def _config(self, tx: Tx) -> PoolConfig:
+        store = self.app.store
+        stored = store.load_pool(tx, self.name)
+        config = stored or PoolConfig(self.name)
+        if not self._applied or stored is None:
+            wanted = PoolConfig(**{**_fields(config), **self._options})
+            if wanted != stored:
+                store.save_pool(tx, wanted)
+            tx.after_commit.append(self._mark_applied)
+            return wanted
+        return config
+
+    def _mark_applied(self) -> None:
+        self._applied = True
+
+    def configure(self, **options: Any) -> PoolConfig:
+        """Change the stored config at run time (``max_parallelism=0`` pauses everywhere)."""
+        unknown = set(options) - {"max_parallelism", "retry_actions_by_default", "default_retry",
+                                  "log_level", "status_ttl"}
+        if unknown:
+            raise InvalidTypeError(f"configure() got unknown options: {', '.join(sorted(unknown))}")
+        given = check_pool_options(**options)
+
+        def body(tx: Tx) -> PoolConfig:
+            config = PoolConfig(**{**_fields(self._config(tx)), **given})
+            self.app.store.save_pool(tx, config)
+            self.app.store.notify(tx, [self.name])
+            return config
+
+        return self.app.run(body)
+
+    def stats(self, window: float = 60.0) -> PoolStats:
+        """Live numbers: backlog, running, limit, and completions over ``window`` seconds."""
+        window = check_seconds(window, "window", minimum=1.0)
+        store = self.app.store
+
+        def body(tx: Tx) -> PoolStats:
+            return pool_stats(store, tx, self._config(tx), self.app.clock(), window)
+
+        return self.app.run(body)
+
+    # --- enqueue --------------------------------------------------------------------------
+    def enqueue_action(
+        self,
+        fn: Callable[..., Any] | str,
+        args: dict[str, Any] | None = None,
+        *,
+        retry: bool | RetryBehavior | None = None,
+        on_complete: Callable[..., Any] | str | None = None,
+        context: Any = None,
+        run_at: datetime | float | None = None,
+        run_after: float | None = None,
+        timeout: float | None = None,
+        tx: Any = None,
+    ) -> str:
+        """Enqueue one action; returns its work id."""
+        return self._enqueue("action", fn, [args], retry, on_complete, context, run_at,
+                             run_after, timeout, tx)[0]
+
+    def enqueue_action_batch(
+        self,
+        fn: Callable[..., Any] | str,
+        args_list: Sequence[dict[str, Any]],
+        *,
+        retry: bool | RetryBehavior | None = None,
+        on_complete: Callable[..., Any] | str | None = None,
+        context: Any = None,
+        run_at: datetime | float | None = None,
+        run_after: float | None = None,
+        timeout: float | None = None,
+        tx: Any = None,
+    ) -> list[str]:
+        """Enqueue one action per args dict, atomically; ids in input order."""
+        return self._enqueue("action", fn, _as_list(args_list), retry, on_complete, context,
+                             run_at, run_after, timeout, tx)
+
+    def enqueue_mutation(
+        self,
+        fn: Callable[..., Any] | str,
+        args: dict[str, Any] | None = None,
+        *,
+        on_complete: Callable[..., Any] | str | None = None,
+        context: Any = None,
+        run_at: datetime | float | None = None,
+        run_after: float | None = None,
+        tx: Any = None,
+    ) -> str:
+        """Enqueue one mutation: it runs exactly once in effect, inside the store transaction."""
+        return self._enqueue("mutation", fn, [args], None, on_complete, context, run_at,
+                             run_after, None, tx)[0]
+
+    def enqueue_mutation_batch(
+        self,
+        fn: Callable[..., Any] | str,
+        args_list: Sequence[dict[str, Any]],
+        *,
+        on_complete: Callable[..., Any] | str | None = None,
+        context: Any = None,
+        run_at: datetime | float | None = None,
+        run_after: float | None = None,
+        tx: Any = None,
+    ) -> list[str]:
+        return self._enqueue("mutation", fn, _as_list(args_list), None, on_complete, context,
+                             run_at, run_after, None, tx)
+
+    def enqueue_query(
+        self,
+        fn: Callable[..., Any] | str,
+        args: dict[str, Any] | None = None,
+        *,
+        on_complete: Callable[..., Any] | str | None = None,
+        context: Any = None,
+        run_at: datetime | float | None = None,
+        run_after: float | None = None,
+        tx: Any = None,
+    ) -> str:
+        """Enqueue one query; its return value goes to on_complete."""
+        return self._enqueue("query", fn, [args], None, on_complete, context, run_at,
+                             run_after, None, tx)[0]
+
+    def enqueue_query_batch(
+        self,
+        fn: Callable[..., Any] | str,
+        args_list: Sequence[dict[str, Any]],
+        *,
+        on_complete: Callable[..., Any] | str | None = None,
+        context: Any = None,
+        run_at: datetime | float | None = None,
+        run_after: float | None = None,
+        tx: Any = None,
+    ) -> list[str]:
+        return self._enqueue("query", fn, _as_list(args_list), None, on_complete, context,
+                             run_at, run_after, None, tx)
+
+    def _enqueue(
+        self,
+        kind: FnKind,
+        fn: object,
+        args_list: list[Any],
+        retry: object,
+        on_complete: object,
+        context: object,
+        run_at: object,
+        run_after: object,
+        timeout: object,
+        tx: object,
+    ) -> list[str]:
+        # Everything is checked before the first write: bad input changes nothing.
+        registry = self.app.registry
+        spec = registry.lookup(fn, kind)
+        handler = None
+        if on_complete is not None:
+            handler = registry.lookup(on_complete, "mutation", "on_complete").name
+        context_json = encode_json(context, "context") if handler is not None else None
+        if kind == "action":
+            resolve_retry(retry, default=RetryBehavior(), retry_by_default=False)
+        timeout_s = check_timeout(timeout)
+        payloads = [encode_json(check_args(args), "args") for args in args_list]
+        now = self.app.clock()
+        due_at = resolve_due_at(run_at, run_after, now)
+        ids = [new_work_id() for _ in payloads]
+
+        def body(tx: Tx) -> PoolConfig:
+            config = self._config(tx)
+            behavior = None
+            if kind == "action":
+                behavior = resolve_retry(retry, default=config.default_retry,
+                                         retry_by_default=config.retry_actions_by_default)
+            self.app.store.insert_work(tx, [
+                NewWork(id=work_id, pool=self.name, kind=kind, fn_name=spec.name, args=payload,
+                        on_complete=handler, context=context_json, retry=behavior,
+                        timeout=timeout_s, due_at=due_at, enqueued_at=now)
+                for work_id, payload in zip(ids, payloads, strict=True)
+            ])
+            self.app.store.notify(tx, [self.name])
+            return config
+
+        config = self.app.run(body, tx=tx)
+        if events.LEVELS.get(config.log_level, events.REPORT) <= events.logging.INFO:
+            for work_id in ids:
+                events.enqueued(config.log_level, pool=self.name, work_id=work_id,
+                                fn_name=spec.name, kind=kind, due_at=due_at)
+        return ids
+
+    # --- status ---------------------------------------------------------------------------
+    def status(self, work_id: str, *, tx: Any = None) -> Status:
+        """Pending(...) | Running(...) | Finished(result); unknown ids answer Finished(None)."""
+        return self.status_batch([work_id], tx=tx)[0]
+
+    def status_batch(self, work_ids: Sequence[str], *, tx: Any = None) -> list[Status]:
+        ids = _check_ids(work_ids)
+
+        def body(tx: Tx) -> list[Status]:
+            rows = self.app.store.statuses(tx, ids)
+            now = self.app.clock()
+            occupancy: dict[str, tuple[int, int]] = {}
+            return [self._status(tx, rows.get(i), now, occupancy) for i in ids]
+
+        return self.app.run(body, tx=tx, readonly=True)
+
+    def _status(
+        self, tx: Tx, row: StatusRow | None, now: float, occupancy: dict[str, tuple[int, int]]
+    ) -> Status:
+        if row is None:
+            return Finished(None)
+        if row.finished is not None:
+            return Finished(result_from_json(row.finished.result), row.finished.handler_error)
+        work = row.active
+        assert work is not None
+        if work.state == "running":
+            return Running(work.attempt - 1, work.attempt, work.started_at)
+        if work.state == "completing":
+            return Running(work.attempt, work.attempt, work.started_at)
+        reason: PendingReason
+        running = limit = None
+        if work.due_at > now:
+            reason = "backoff" if work.attempt > 0 else "scheduled"
+        else:
+            if work.pool not in occupancy:
+                stored = self.app.store.load_pool(tx, work.pool)
+                occupancy[work.pool] = (
+                    self.app.store.running_count(tx, work.pool),
+                    stored.max_parallelism if stored else PoolConfig(work.pool).max_parallelism,
+                )
+            running, limit = occupancy[work.pool]
+            reason = "paused" if limit == 0 else "waiting_for_slot" if running >= limit else "due"
+        return Pending(work.attempt, reason, work.due_at, work.last_error, running, limit)
+
+    # --- cancel ---------------------------------------------------------------------------
+    def cancel(self, work_id: str, *, tx: Any = None) -> bool:
+        """Cancel one item: pending work never starts, running work is not retried.
+
+        True if this call changed something; unknown, finished or already canceled
+        work is left alone (duplicate cancels are harmless).
+        """
+        ids = _check_ids([work_id])
+        return self.app.run(lambda t: self._cancel(t, ids) > 0, tx=tx)
+
+    def cancel_all(
+        self, *, before: datetime | float | None = None, limit: int | None = None
+    ) -> int:
+        """Cancel pending and running work enqueued at or before ``before`` (default now).
+
+        ``limit`` caps how many items are canceled in all; work is canceled in
+        transactions of a bounded size. Returns how many items were canceled.
+        """
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
+                                  or limit < 1):
+            raise InvalidArgumentError(f"limit must be a positive int, got {limit!r}")
+        if before is None:
+            cutoff = self.app.clock()
+        elif isinstance(before, datetime):
+            if before.tzinfo is None:
+                raise InvalidArgumentError("before must be an aware datetime")
+            cutoff = before.timestamp()
+        else:
+            cutoff = check_seconds(before, "before")
+        total = 0
+        while limit is None or total < limit:
+            page = CANCEL_PAGE if limit is None else min(CANCEL_PAGE, limit - total)
+
+            def body(tx: Tx, page: int = page) -> tuple[int, int]:
+                ids = self.app.store.cancelable_ids(tx, self.name, cutoff, page)
+                return len(ids), self._cancel(tx, ids)
+
+            seen, canceled = self.app.run(body)
+            total += canceled
+            if seen < page:
+                break
+        return total
+
+    def _cancel(self, tx: Tx, ids: Sequence[str]) -> int:
+        store = self.app.store
+        tally = Tally()
+        now = self.app.clock()
+        changed = 0
+        for work_id in ids:
+            work: ActiveWork | None = store.load_for_update(tx, work_id)
+            if work is not None and work.pool == self.name:
+                changed += self.app.completion.cancel(tx, work, now, tally)
+        tally.flush(store, tx, CLIENT_ID, now)
+        if changed:
+            store.notify(tx, [self.name])
+        return changed
+
+    enqueue_action_async = _async_twin(enqueue_action)
+    enqueue_action_batch_async = _async_twin(enqueue_action_batch)
+    enqueue_mutation_async = _async_twin(enqueue_mutation)
+    enqueue_mutation_batch_async = _async_twin(enqueue_mutation_batch)
+    enqueue_query_async = _async_twin(enqueue_query)
+    enqueue_query_batch_async = _async_twin(enqueue_query_batch)
+    status_async = _async_twin(status)
+    status_batch_async = _async_twin(status_batch)
+    cancel_async = _async_twin(cancel)
+    cancel_all_async = _async_twin(cancel_all)
+    configure_async = _async_twin(configure)
+    stats_async = _async_twin(stats)
+
+    def __repr__(self) -> str:
+        return f"Pool({self.name!r})"
+
+
+def _fields(config: PoolConfig) -> dict[str, Any]:
+    return {name: getattr(config, name) for name in PoolConfig.__slots__}
+
+
+def _as_list(args_list: object) -> list[Any]:
+    if isinstance(args_list, str | bytes | dict) or not isinstance(args_list, Sequence):
+        raise InvalidTypeError(f"args_list must be a list of args dicts, got {args_list!r:.80}")
+    return list(args_list)
+
+
+def _check_ids(work_ids: object) -> list[str]:
+    if isinstance(work_ids, str | bytes) or not isinstance(work_ids, Sequence):
+        raise InvalidTypeError(f"work ids must be a list of str, got {work_ids!r:.80}")
+    for work_id in work_ids:
+        if not isinstance(work_id, str):
+            raise InvalidTypeError(f"a work id must be a str, got {work_id!r:.80}")
+    return list(work_ids)

@@ -1,0 +1,1 @@
+"""Long-running services of a worker process: dispatcher, executor, completer, maintenance."""

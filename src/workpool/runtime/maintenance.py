@@ -1,0 +1,138 @@
+"""The maintenance loop of a worker: heartbeat, rescue, handler retries, report, prune.
+
+``tick(now)`` does one round and is what tests step; ``run`` only loops and waits.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from workpool.core.errors import describe_error
+from workpool.observability import events
+from workpool.observability.stats import pool_stats
+from workpool.runtime.completion import Tally
+from workpool.store.base import Tx
+
+if TYPE_CHECKING:
+    from workpool.runtime.worker import Worker
+
+TICK_S = 0.1
+RESCUE_EVERY_S = 0.5
+HANDLERS_EVERY_S = 0.1
+REPORT_EVERY_S = 60.0
+PRUNE_EVERY_S = 60.0
+BATCH = 32  # rows rescued / handlers retried per transaction
+PRUNE_BATCH = 500  # finished rows deleted per transaction
+PRUNE_MAX_BATCHES = 20  # per pool per round: a huge backlog is worked off over rounds
+COUNTER_RETENTION_S = 86_400.0
+
+
+class Maintenance:
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.store = worker.store
+        self._stop = threading.Event()
+        self._next = {"heartbeat": 0.0, "rescue": 0.0, "handlers": 0.0, "duties": 0.0}
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick(self.worker.clock())
+            except Exception as exc:
+                events.worker_event("maintenance_failed", 40, worker_id=self.worker.info.id,
+                                    error=describe_error(exc))
+                self._stop.wait(1.0)
+            self._stop.wait(TICK_S)
+
+    def _due(self, name: str, now: float, every: float) -> bool:
+        if now < self._next[name]:
+            return False
+        self._next[name] = now + every
+        return True
+
+    def tick(self, now: float) -> None:
+        self.worker.expire_timeouts()
+        if self._due("heartbeat", now, self.worker.options.lease / 3):
+            self.heartbeat(now)
+        pools = [p for p in self.worker.served() if p in self.worker.configs]
+        if not pools:
+            return
+        if self._due("rescue", now, RESCUE_EVERY_S):
+            self.rescue(pools, now)
+        if self._due("handlers", now, HANDLERS_EVERY_S):
+            self.retry_handlers(pools, now)
+        if self._due("duties", now, 1.0):
+            for pool in pools:
+                self.duties(pool, now)
+
+    def heartbeat(self, now: float) -> None:
+        worker = self.worker
+        self.store.run(lambda tx: self.store.heartbeat(
+            tx, worker.info, now, now + worker.options.lease))
+
+    def rescue(self, pools: list[str], now: float) -> int:
+        """Finish or retry attempts whose worker's lease expired."""
+        return self._batches(lambda tx, tally: [
+            self.worker.completion.rescue(tx, work, now, tally)
+            for work in self.store.lost_work(tx, pools, now, BATCH)
+        ], now)
+
+    def retry_handlers(self, pools: list[str], now: float) -> int:
+        return self._batches(lambda tx, tally: [
+            self.worker.completion.retry_handler(tx, work, now)
+            for work in self.store.due_handlers(tx, pools, now, BATCH)
+        ], now)
+
+    def _batches(self, step: object, now: float) -> int:
+        total = 0
+        while not self._stop.is_set():
+            def body(tx: Tx) -> int:
+                tally = Tally()
+                done = step(tx, tally)  # type: ignore[operator]
+                tally.flush(self.store, tx, self.worker.info.id, now)
+                return len(done)
+
+            count = self.store.run(body)
+            total += count
+            if count < BATCH:
+                break
+        if total:
+            self.worker.wake.set()
+        return total
+
+    def duties(self, pool: str, now: float) -> None:
+        store = self.store
+        if store.run(lambda tx: store.take_turn(tx, pool, "report", now, REPORT_EVERY_S)):
+            self.report(pool, now)
+        if store.run(lambda tx: store.take_turn(tx, pool, "prune", now, PRUNE_EVERY_S)):
+            self.prune(pool, now)
+
+    def report(self, pool: str, now: float) -> None:
+        config = self.worker.configs.get(pool)
+        if config is None:
+            return
+        stats = self.store.run(
+            lambda tx: pool_stats(self.store, tx, config, now, REPORT_EVERY_S), readonly=True
+        )
+        events.report(config.log_level, **stats.to_dict())
+
+    def prune(self, pool: str, now: float) -> int:
+        config = self.worker.configs.get(pool)
+        if config is None:
+            return 0
+        total = 0
+        for _ in range(PRUNE_MAX_BATCHES):
+            deleted = self.store.run(
+                lambda tx: self.store.prune(tx, pool, now - config.status_ttl, PRUNE_BATCH)
+            )
+            total += deleted
+            if deleted < PRUNE_BATCH:
+                break
+        self.store.run(lambda tx: self.store.prune_counters(
+            tx, pool, int((now - COUNTER_RETENTION_S) // 60)))
+        self.store.run(lambda tx: self.store.forget_dead_workers(tx, now))
+        return total

@@ -1,0 +1,438 @@
+"""The worker: claims due work within the global limits, runs it, records the outcomes.
+
+Threads of one worker process (each loop owns its own store connection):
+  dispatcher   (the caller's thread) claims attempts when local capacity is free
+  executor     runs actions (threads / one event loop) and mutations/queries
+  completer    records action outcomes in batches, with on_complete, per transaction
+  maintenance  heartbeats, rescues lost work, retries handlers, reports, prunes
+  watcher      turns other processes' commits into wake-ups
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+from workpool.core.decide import AttemptOutcome, Raised, Succeeded
+from workpool.core.errors import describe_error, is_non_retryable
+from workpool.observability import events
+from workpool.runtime.completion import Completion, Tally
+from workpool.runtime.context import RunInfo, reset_current, set_current
+from workpool.runtime.executor import Executor
+from workpool.runtime.maintenance import Maintenance
+from workpool.runtime.registry import FnSpec, Registry
+from workpool.store.base import ClaimedWork, PoolConfig, Store, Tx, WorkerInfo
+
+CLAIM_BATCH = 100  # attempts claimed per pool per transaction: bounds claim latency
+COMPLETE_BATCH = 64  # action outcomes recorded per transaction (group commit)
+IDLE_POLL_S = 1.0  # longest sleep without a wake-up: covers missed notifications
+
+
+@dataclass
+class _InFlight:
+    work: ClaimedWork
+    deadline: float | None  # monotonic time of the attempt's timeout
+    reported: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerOptions:
+    pools: Sequence[str] | None = None
+    concurrency: int = 10
+    lease: float = 15.0
+    until_idle: bool = False
+    shutdown_grace: float = 30.0
+
+
+class Worker:
+    def __init__(
+        self,
+        store: Store,
+        registry: Registry,
+        options: WorkerOptions,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self.registry = registry
+        self.options = options
+        self.clock = clock
+        self.info = WorkerInfo(
+            id=str(uuid.uuid4()), host=socket.gethostname(), pid=os.getpid(),
+            pools=list(options.pools or []),
+        )
+        self.configs: dict[str, PoolConfig] = {}
+        self.completion = Completion(store, registry, self.pool_level)
+        self.wake = threading.Event()
+        self.stopping = threading.Event()
+        self.force = threading.Event()
+        self._lock = threading.Lock()
+        self._inflight: dict[tuple[str, int], _InFlight] = {}
+        self._outcomes: queue.Queue[tuple[ClaimedWork, AttemptOutcome, float] | None] = (
+            queue.Queue()
+        )
+        self._unrecorded = 0  # outcomes queued or being written: not idle until 0
+        self._rotation = itertools.count()
+        self.executor: Executor | None = None
+        self.maintenance = Maintenance(self)
+
+    # --- public -----------------------------------------------------------------------------
+    def pool_level(self, pool: str) -> str:
+        config = self.configs.get(pool)
+        return config.log_level if config is not None else "REPORT"
+
+    def served(self) -> list[str]:
+        if self.options.pools is not None:
+            return list(self.options.pools)
+        return sorted(self.configs)
+
+    def stop(self) -> None:
+        """Stop claiming; running work finishes within the shutdown grace."""
+        if self.stopping.is_set():
+            self.force.set()
+        self.stopping.set()
+        self.wake.set()
+
+    def run(self) -> None:
+        restore = self._install_signals()
+        self.store.migrate()
+        self.executor = Executor(self.options.concurrency)
+        self.configs = {c.name: c for c in self.store.run(self.store.load_pools, readonly=True)}
+        self.maintenance.heartbeat(self.clock())
+        threads = [
+            threading.Thread(target=self._complete_loop, name="workpool-completer", daemon=True),
+            threading.Thread(target=self.maintenance.run, name="workpool-maintenance",
+                             daemon=True),
+            threading.Thread(target=self._watch_loop, name="workpool-watcher", daemon=True),
+        ]
+        for thread in threads:
+            thread.start()
+        events.worker_event("worker_started", events.REPORT, worker_id=self.info.id, pid=self.info.pid,
+                            pools=self.options.pools, concurrency=self.options.concurrency)
+        try:
+            self._dispatch_loop()
+        finally:
+            self._shutdown(threads)
+            restore()
+
+    # --- dispatcher -------------------------------------------------------------------------
+    def _dispatch_loop(self) -> None:
+        backoff = 0.0
+        while not self.stopping.is_set():
+            self.wake.clear()
+            try:
+                claimed = self._claim()
+                backoff = 0.0
+            except Exception as exc:
+                # The loop restarts with backoff: a failing store never spins a core.
+                backoff = min(max(backoff * 2, 0.05), 5.0)
+                events.worker_event("claim_failed", 40, worker_id=self.info.id,
+                                    error=describe_error(exc), retry_in=backoff)
+                self.stopping.wait(backoff)
+                continue
+            for work in claimed:
+                self._start(work)
+            if claimed:
+                continue
+            if self.options.until_idle and self._idle():
+                return
+            self.wake.wait(self._sleep_time())
+
+    def _free(self) -> int:
+        with self._lock:
+            return self.options.concurrency - len(self._inflight)
+
+    def _claim(self) -> list[ClaimedWork]:
+        free = self._free()
+        if free <= 0:
+            return []
+
+        def body(tx: Tx) -> list[ClaimedWork]:
+            self.configs = {c.name: c for c in self.store.load_pools(tx)}
+            served = [p for p in self.served() if p in self.configs]
+            if not served:
+                return []
+            shift = next(self._rotation) % len(served)
+            now = self.clock()
+            claimed: list[ClaimedWork] = []
+            for name in served[shift:] + served[:shift]:
+                config = self.configs[name]
+                room = min(free - len(claimed), CLAIM_BATCH)
+                if room <= 0:
+                    break
+                if config.max_parallelism > 0:
+                    claimed += self.store.claim(
+                        tx, name, room, config.max_parallelism, self.info.id, now
+                    )
+            return claimed
+
+        return self.store.run(body)
+
+    def _sleep_time(self) -> float:
+        served = [p for p in self.served() if p in self.configs]
+        if not served:
+            return IDLE_POLL_S
+        next_due = self.store.run(lambda tx: self.store.next_due(tx, served), readonly=True)
+        if next_due is None:
+            return IDLE_POLL_S
+        return min(max(next_due - self.clock(), 0.001), IDLE_POLL_S)
+
+    def _idle(self) -> bool:
+        with self._lock:
+            if self._inflight or self._unrecorded:
+                return False
+        active = [p for p in self.served()
+                  if p in self.configs and self.configs[p].max_parallelism > 0]
+        if not active:
+            return True
+        return self.store.run(lambda tx: self.store.active_count(tx, active), readonly=True) == 0
+
+    def _watch_loop(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                if self.store.wait_for_change(0.25):
+                    self.wake.set()
+            except Exception as exc:
+                events.worker_event("watch_failed", 30, error=describe_error(exc))
+                self.stopping.wait(1.0)
+
+    # --- running attempts -------------------------------------------------------------------
+    def _start(self, work: ClaimedWork) -> None:
+        assert self.executor is not None
+        deadline = None if work.timeout is None else time.monotonic() + work.timeout
+        with self._lock:
+            self._inflight[(work.id, work.attempt)] = _InFlight(work, deadline)
+        events.started(self.pool_level(work.pool), pool=work.pool, work_id=work.id,
+                       fn_name=work.fn_name, attempt=work.attempt,
+                       start_lag=work.started_at - work.due_at)
+        spec = self.registry.get(work.fn_name)
+        if spec is None or spec.kind != work.kind:
+            self._report(work, Raised(f"{work.kind} {work.fn_name!r} is not registered in this"
+                                      " worker's App", retryable=False), 0.0)
+            self._release(work)
+            return
+        try:
+            args = json.loads(work.args)
+            if not isinstance(args, dict):
+                raise ValueError("args are not a JSON object")
+        except ValueError as exc:
+            self._report(work, Raised(f"stored args are corrupt: {exc}", retryable=False), 0.0)
+            self._release(work)
+            return
+        if work.kind != "action":
+            self.executor.submit(lambda: self._run_in_tx(spec, work, args))
+        elif spec.is_async:
+            self.executor.submit_async(self._run_async(spec, work, args))
+        else:
+            self.executor.submit(lambda: self._run_sync(spec, work, args))
+
+    def _info(self, work: ClaimedWork) -> RunInfo:
+        return RunInfo(work.id, work.pool, work.fn_name, work.attempt)
+
+    def _run_sync(self, spec: FnSpec, work: ClaimedWork, args: dict[str, Any]) -> None:
+        token = set_current(self._info(work))
+        started = time.monotonic()
+        try:
+            outcome = _returned(spec.fn(**args))
+        except Exception as exc:
+            outcome = Raised(describe_error(exc), retryable=not is_non_retryable(exc))
+        finally:
+            reset_current(token)
+        self._report(work, outcome, time.monotonic() - started)
+        self._release(work)
+
+    async def _run_async(self, spec: FnSpec, work: ClaimedWork, args: dict[str, Any]) -> None:
+        token = set_current(self._info(work))
+        started = time.monotonic()
+        try:
+            if work.timeout is None:
+                outcome = _returned(await spec.fn(**args))
+            else:
+                try:
+                    async with asyncio.timeout(work.timeout):
+                        outcome = _returned(await spec.fn(**args))
+                except TimeoutError:
+                    if time.monotonic() - started < work.timeout:
+                        raise
+                    outcome = _timed_out(work.timeout)
+        except Exception as exc:
+            outcome = Raised(describe_error(exc), retryable=not is_non_retryable(exc))
+        finally:
+            reset_current(token)
+        self._report(work, outcome, time.monotonic() - started)
+        self._release(work)
+
+    def _run_in_tx(self, spec: FnSpec, work: ClaimedWork, args: dict[str, Any]) -> None:
+        """A mutation or query: the call and its completion commit together or not at all."""
+        started = time.monotonic()
+
+        def body(tx: Tx) -> None:
+            current = self.store.load_for_update(tx, work.id)
+            if current is None or current.state != "running" or current.attempt != work.attempt:
+                return  # stale: rescued and re-run elsewhere
+            token = set_current(self._info(work))
+            try:
+                with self.store.savepoint(tx):
+                    outcome: AttemptOutcome = _returned(spec.fn(tx, **args))
+            except Exception as exc:
+                if self.store.is_transient(exc):
+                    raise  # the whole transaction is retried
+                outcome = Raised(describe_error(exc), retryable=False)
+            finally:
+                reset_current(token)
+            tally = Tally()
+            now = self.clock()
+            self.completion.complete(tx, current, outcome, now, tally, time.monotonic() - started)
+            tally.flush(self.store, tx, self.info.id, now)
+
+        try:
+            self.store.run(body)
+        except Exception as exc:
+            # The transaction could not commit: the lease will hand it to a rescuer.
+            events.worker_event("mutation_not_recorded", 40, work_id=work.id,
+                                error=describe_error(exc))
+        finally:
+            self._release(work)
+
+    def _report(self, work: ClaimedWork, outcome: AttemptOutcome, duration: float) -> None:
+        """Queue an action's outcome for the completer; the first report of an attempt wins."""
+        with self._lock:
+            entry = self._inflight.get((work.id, work.attempt))
+            if entry is None or entry.reported:
+                return
+            entry.reported = True
+            self._unrecorded += 1
+        self._outcomes.put((work, outcome, duration))
+
+    def _release(self, work: ClaimedWork) -> None:
+        with self._lock:
+            self._inflight.pop((work.id, work.attempt), None)
+        self.wake.set()
+
+    def expire_timeouts(self) -> None:
+        """Fail sync attempts past their timeout (their threads cannot be killed)."""
+        now = time.monotonic()
+        with self._lock:
+            late = [e for e in self._inflight.values()
+                    if e.deadline is not None and not e.reported and now >= e.deadline]
+        for entry in late:
+            if entry.work.kind == "action" and entry.work.timeout is not None:
+                self._report(entry.work, _timed_out(entry.work.timeout), entry.work.timeout)
+
+    # --- completer --------------------------------------------------------------------------
+    def _complete_loop(self) -> None:
+        while True:
+            first = self._outcomes.get()
+            if first is None:
+                return
+            batch = [first]
+            while len(batch) < COMPLETE_BATCH:
+                try:
+                    item = self._outcomes.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    self._outcomes.put(None)
+                    break
+                batch.append(item)
+            self._record(batch)
+            with self._lock:
+                self._unrecorded -= len(batch)
+            self.wake.set()
+
+    def _record(self, batch: list[tuple[ClaimedWork, AttemptOutcome, float]]) -> None:
+        def body(tx: Tx) -> None:
+            now = self.clock()
+            tally = Tally()
+            for work, outcome, duration in batch:
+                current = self.store.load_for_update(tx, work.id)
+                if (current is None or current.state != "running"
+                        or current.attempt != work.attempt):
+                    continue  # stale completion: fenced by attempt number
+                try:
+                    with self.store.savepoint(tx):
+                        self.completion.complete(tx, current, outcome, now, tally, duration)
+                except Exception as exc:
+                    if self.store.is_transient(exc):
+                        raise
+                    # One bad item must not block the batch: record it failed instead.
+                    fallback = Raised(f"could not record the result: {describe_error(exc)}",
+                                      retryable=False)
+                    self.completion.complete(tx, current, fallback, now, tally, duration)
+            tally.flush(self.store, tx, self.info.id, now)
+
+        delay = 0.05
+        while True:
+            try:
+                self.store.run(body)
+                return
+            except Exception as exc:
+                if self.force.is_set():
+                    return  # leaving now: lease expiry hands these to a rescuer
+                events.worker_event("complete_failed", 40, worker_id=self.info.id,
+                                    error=describe_error(exc), retry_in=delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    # --- lifecycle --------------------------------------------------------------------------
+    def _install_signals(self) -> Callable[[], None]:
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+
+        def handler(signum: int, frame: FrameType | None) -> None:
+            self.stop()
+
+        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+        def restore() -> None:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+
+        return restore
+
+    def _shutdown(self, threads: list[threading.Thread]) -> None:
+        self.stopping.set()
+        deadline = time.monotonic() + self.options.shutdown_grace
+        while time.monotonic() < deadline and not self.force.is_set():
+            with self._lock:
+                if not self._inflight:
+                    break
+            time.sleep(0.01)
+        self._outcomes.put(None)
+        threads[0].join(timeout=max(deadline - time.monotonic(), 5.0))
+        self.maintenance.stop()
+        for thread in threads[1:]:
+            thread.join(timeout=5.0)
+        if self.executor is not None:
+            self.executor.shutdown()
+        with self._lock:
+            abandoned = len(self._inflight)
+        try:
+            # Without our row, a rescuer sees anything still running here as lost at once.
+            self.store.run(lambda tx: self.store.remove_worker(tx, self.info.id))
+        except Exception as exc:
+            events.worker_event("deregister_failed", 30, error=describe_error(exc))
+        events.worker_event("worker_stopped", events.REPORT, worker_id=self.info.id, abandoned=abandoned)
+
+
+def _returned(value: object) -> AttemptOutcome:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        return Raised(f"return value is not JSON-serialisable: {exc}", retryable=False)
+    return Succeeded(value)
+
+
+def _timed_out(seconds: float) -> Raised:
+    return Raised(f"timed out after {seconds:g} s")

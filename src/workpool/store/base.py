@@ -1,0 +1,319 @@
+"""The Store interface: the domain operations every store implements, with their row types."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+from workpool.core.retry import DEFAULT_RETRY, RetryBehavior
+
+T = TypeVar("T")
+FnKind = Literal["action", "mutation", "query"]
+
+
+class Tx:
+    """An open store transaction, handed to mutations, queries and on_complete handlers.
+
+    ``execute(sql, params)`` goes straight to the driver (``?`` placeholders on
+    SQLite, ``%s`` on PostgreSQL) and returns its cursor; ``connection`` is the
+    driver connection itself.
+    """
+
+    def __init__(self, connection: Any, store: Store, *, readonly: bool = False) -> None:
+        self.connection = connection
+        self.store = store
+        self.readonly = readonly
+        self.after_commit: list[Callable[[], None]] = []
+
+    def execute(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> Any:
+        return self.connection.execute(sql, params)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    """A pool's stored config; written by ``app.pool``/``configure``, read by workers."""
+
+    name: str
+    max_parallelism: int = 10
+    retry_actions_by_default: bool = False
+    default_retry: RetryBehavior = DEFAULT_RETRY
+    log_level: str = "REPORT"
+    status_ttl: float = 86_400.0
+
+
+@dataclass(frozen=True, slots=True)
+class NewWork:
+    id: str
+    pool: str
+    kind: FnKind
+    fn_name: str
+    args: str  # JSON
+    on_complete: str | None
+    context: str | None  # JSON
+    retry: RetryBehavior | None
+    timeout: float | None
+    due_at: float
+    enqueued_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimedWork:
+    """One attempt handed to a worker by ``claim``."""
+
+    id: str
+    pool: str
+    kind: FnKind
+    fn_name: str
+    args: str
+    attempt: int
+    timeout: float | None
+    due_at: float  # when the attempt became due: start lag = started_at - due_at
+    started_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class ActiveWork:
+    """An active (not finished) work row, read under lock inside a write transaction."""
+
+    id: str
+    pool: str
+    kind: FnKind
+    fn_name: str
+    state: str
+    attempt: int
+    retry: RetryBehavior | None
+    on_complete: str | None
+    context: str | None
+    cancel_requested: bool
+    enqueued_at: float
+    due_at: float
+    result: str | None  # JSON of the fixed result while completing
+    handler_failures: int
+    lost_count: int
+    last_error: str | None
+    worker_id: str | None
+    started_at: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedRow:
+    id: str
+    pool: str
+    result: str  # JSON
+    attempts: int
+    finished_at: float
+    handler_error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class StatusRow:
+    """What ``status`` needs: the active row, else the finished row, else neither."""
+
+    active: ActiveWork | None = None
+    finished: FinishedRow | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PoolCounts:
+    running: int = 0
+    due: int = 0  # backlog: due now, not started
+    scheduled: int = 0  # pending with a future due time (first start or retry)
+    completing: int = 0
+    finished: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Counters:
+    """Completion counters of a window, summed over workers."""
+
+    completed: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    retries: int = 0
+    canceled: int = 0
+    lag_count: int = 0
+    lag_sum: float = 0.0
+    lag_max: float = 0.0
+
+    def __add__(self, other: Counters) -> Counters:
+        return Counters(
+            self.completed + other.completed,
+            self.succeeded + other.succeeded,
+            self.failed + other.failed,
+            self.retries + other.retries,
+            self.canceled + other.canceled,
+            self.lag_count + other.lag_count,
+            self.lag_sum + other.lag_sum,
+            max(self.lag_max, other.lag_max),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a store can do; the runtime branches on these, never on the store's type."""
+
+    notifications: bool  # push wake-ups across processes (LISTEN/NOTIFY)
+    skip_locked: bool  # claimers on many connections skip each other's rows
+    change_polling: bool  # a cheap "did anything commit?" probe (SQLite data_version)
+
+
+@dataclass(slots=True)
+class WorkerInfo:
+    id: str
+    host: str
+    pid: int
+    pools: list[str] = field(default_factory=list)
+
+
+class Store(abc.ABC):
+    """Domain operations over the database; every state change is a compare-and-set."""
+
+    capabilities: Capabilities
+    url: str
+
+    # --- lifecycle and transactions -------------------------------------------------
+    @abc.abstractmethod
+    def migrate(self) -> None: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    @abc.abstractmethod
+    def transaction(self, *, readonly: bool = False) -> AbstractContextManager[Tx]:
+        """One transaction; commits on normal exit, rolls back on an exception."""
+
+    @abc.abstractmethod
+    def is_transient(self, exc: BaseException) -> bool:
+        """A conflict that retrying the whole transaction resolves (busy, serialization)."""
+
+    @abc.abstractmethod
+    def run(self, fn: Callable[[Tx], T], *, readonly: bool = False) -> T:
+        """Run ``fn`` in a transaction, retrying the whole of it on transient conflicts."""
+
+    @abc.abstractmethod
+    def savepoint(self, tx: Tx) -> AbstractContextManager[None]:
+        """A nested scope: an exception inside rolls back only what it wrote."""
+
+    @abc.abstractmethod
+    def adopt(self, connection: Any) -> Tx | None:
+        """A Tx over a user's own driver connection, or None if it is not one of ours."""
+
+    @abc.abstractmethod
+    def wait_for_change(self, timeout: float) -> bool:
+        """Block up to ``timeout`` s for another process's commit; True if one was seen."""
+
+    @abc.abstractmethod
+    def notify(self, tx: Tx, pools: Sequence[str]) -> None:
+        """Wake idle workers of ``pools`` once ``tx`` commits."""
+
+    # --- pools ------------------------------------------------------------------------
+    @abc.abstractmethod
+    def load_pool(self, tx: Tx, name: str) -> PoolConfig | None: ...
+
+    @abc.abstractmethod
+    def load_pools(self, tx: Tx) -> list[PoolConfig]: ...
+
+    @abc.abstractmethod
+    def save_pool(self, tx: Tx, config: PoolConfig) -> None: ...
+
+    @abc.abstractmethod
+    def take_turn(self, tx: Tx, pool: str, duty: str, now: float, every: float) -> bool:
+        """Claim a periodic duty (report, prune) for ``pool``: True for one caller per period."""
+
+    # --- work -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def insert_work(self, tx: Tx, items: Sequence[NewWork]) -> None: ...
+
+    @abc.abstractmethod
+    def claim(
+        self, tx: Tx, pool: str, limit: int, max_parallelism: int, worker_id: str, now: float
+    ) -> list[ClaimedWork]:
+        """Start up to ``limit`` due attempts without exceeding ``max_parallelism`` globally."""
+
+    @abc.abstractmethod
+    def load_for_update(self, tx: Tx, work_id: str) -> ActiveWork | None:
+        """The active row, locked against concurrent completers until ``tx`` ends."""
+
+    @abc.abstractmethod
+    def retry(
+        self, tx: Tx, work: ActiveWork, due_at: float, error: str, *, lost: bool = False
+    ) -> bool:
+        """running -> pending at ``due_at`` (CAS on attempt)."""
+
+    @abc.abstractmethod
+    def finish(
+        self, tx: Tx, work: ActiveWork, result: str, now: float, handler_error: str | None = None
+    ) -> bool:
+        """running|completing|pending -> finished (CAS on state and attempt)."""
+
+    @abc.abstractmethod
+    def hand_to_handler(
+        self, tx: Tx, work: ActiveWork, result: str, due_at: float, failures: int, error: str
+    ) -> bool:
+        """running|pending|completing -> completing: on_complete is (re)tried at ``due_at``."""
+
+    @abc.abstractmethod
+    def due_handlers(
+        self, tx: Tx, pools: Sequence[str], now: float, limit: int
+    ) -> list[ActiveWork]:
+        """Completing work whose on_complete is due, locked (others skip it)."""
+
+    @abc.abstractmethod
+    def lost_work(
+        self, tx: Tx, pools: Sequence[str], now: float, limit: int
+    ) -> list[ActiveWork]:
+        """Running work whose worker's lease expired, locked (others skip it)."""
+
+    @abc.abstractmethod
+    def flag_cancel(self, tx: Tx, work: ActiveWork) -> bool:
+        """Mark running work canceled: it finishes, but is not retried (CAS on attempt)."""
+
+    @abc.abstractmethod
+    def cancelable_ids(self, tx: Tx, pool: str, before: float, limit: int) -> list[str]: ...
+
+    @abc.abstractmethod
+    def statuses(self, tx: Tx, ids: Sequence[str]) -> dict[str, StatusRow]: ...
+
+    @abc.abstractmethod
+    def prune(self, tx: Tx, pool: str, before: float, limit: int) -> int:
+        """Delete up to ``limit`` finished rows of ``pool`` older than ``before``."""
+
+    @abc.abstractmethod
+    def running_count(self, tx: Tx, pool: str) -> int: ...
+
+    # --- workers, counters, introspection ---------------------------------------------
+    @abc.abstractmethod
+    def heartbeat(self, tx: Tx, worker: WorkerInfo, now: float, expires_at: float) -> None: ...
+
+    @abc.abstractmethod
+    def remove_worker(self, tx: Tx, worker_id: str) -> None: ...
+
+    @abc.abstractmethod
+    def forget_dead_workers(self, tx: Tx, now: float) -> int: ...
+
+    @abc.abstractmethod
+    def add_counters(
+        self, tx: Tx, pool: str, worker_id: str, bucket: int, counters: Counters
+    ) -> None: ...
+
+    @abc.abstractmethod
+    def read_counters(self, tx: Tx, pool: str, since_bucket: int) -> Counters: ...
+
+    @abc.abstractmethod
+    def prune_counters(self, tx: Tx, pool: str, before_bucket: int) -> int: ...
+
+    @abc.abstractmethod
+    def pool_counts(self, tx: Tx, pool: str, now: float) -> PoolCounts: ...
+
+    @abc.abstractmethod
+    def active_count(self, tx: Tx, pools: Sequence[str]) -> int: ...
+
+    @abc.abstractmethod
+    def next_due(self, tx: Tx, pools: Sequence[str]) -> float | None: ...
+
+    def iter_chunks(self, items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
+        for start in range(0, len(items), size):
+            yield items[start : start + size]

@@ -1,0 +1,548 @@
+"""The SQL both stores share: queries written once, with declared dialect hooks."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, ClassVar
+
+from workpool.core.retry import RetryBehavior
+from workpool.store.base import (
+    ActiveWork,
+    ClaimedWork,
+    Counters,
+    FinishedRow,
+    NewWork,
+    PoolConfig,
+    PoolCounts,
+    StatusRow,
+    Store,
+    T,
+    Tx,
+    WorkerInfo,
+)
+
+ACTIVE_COLUMNS = (
+    "id, pool, kind, fn_name, state, attempt, retry, on_complete, context, cancel_requested,"
+    " enqueued_at, due_at, result, handler_failures, lost_count, last_error, worker_id,"
+    " started_at"
+)
+IN_CHUNK = 500  # ids per IN (...) list: well under SQLite's variable limit
+
+
+def _retry_json(retry: RetryBehavior | None) -> str | None:
+    return None if retry is None else json.dumps(retry.to_json())
+
+
+def _active(row: Sequence[Any]) -> ActiveWork:
+    return ActiveWork(
+        id=row[0],
+        pool=row[1],
+        kind=row[2],
+        fn_name=row[3],
+        state=row[4],
+        attempt=int(row[5]),
+        retry=None if row[6] is None else RetryBehavior.from_json(json.loads(row[6])),
+        on_complete=row[7],
+        context=row[8],
+        cancel_requested=bool(row[9]),
+        enqueued_at=float(row[10]),
+        due_at=float(row[11]),
+        result=row[12],
+        handler_failures=int(row[13]),
+        lost_count=int(row[14]),
+        last_error=row[15],
+        worker_id=row[16],
+        started_at=None if row[17] is None else float(row[17]),
+    )
+
+
+class SqlStore(Store):
+    """Store operations in portable SQL; subclasses supply connections and the hooks below.
+
+    Queries are written with ``?`` placeholders and ``{s}`` before table names;
+    ``_sql`` adapts them to the dialect once and caches the result.
+    """
+
+    param: ClassVar[str] = "?"
+    for_update: ClassVar[str] = ""  # row lock on a read inside a write transaction
+    skip_locked: ClassVar[str] = ""  # row lock that skips rows others hold
+    table_prefix: str = ""
+
+    def __init__(self) -> None:
+        self._sql_cache: dict[str, str] = {}
+        self._local = threading.local()
+
+    # --- dialect hooks ------------------------------------------------------------------
+    def _lock_pool(self, tx: Tx, pool: str) -> None:
+        """Serialise claimers of ``pool`` until ``tx`` ends (SQLite: the write lock does)."""
+
+    def _begin(self, readonly: bool) -> tuple[Any, Callable[[bool], None]]:
+        """Open a transaction: the connection and a function ending it (True = commit)."""
+        raise NotImplementedError
+
+    def is_transient(self, exc: BaseException) -> bool:
+        raise NotImplementedError
+
+    def _translate(self, exc: BaseException) -> BaseException | None:
+        """A workpool error for a driver error at the store edge, or None to re-raise it."""
+        return None
+
+    def _backoff_sleep(self, attempt: int) -> None:
+        raise NotImplementedError
+
+    # --- transactions ---------------------------------------------------------------------
+    def _sql(self, template: str) -> str:
+        sql = self._sql_cache.get(template)
+        if sql is None:
+            sql = template.replace("{s}", self.table_prefix)
+            if self.param != "?":
+                sql = sql.replace("?", self.param)
+            self._sql_cache[template] = sql
+        return sql
+
+    def q(self, tx: Tx, template: str, params: Sequence[Any] = ()) -> Any:
+        return tx.connection.execute(self._sql(template), params)
+
+    @contextmanager
+    def transaction(self, *, readonly: bool = False) -> Iterator[Tx]:
+        current: Tx | None = getattr(self._local, "tx", None)
+        if current is not None:
+            # Nested use on one thread (an enqueue inside a mutation) joins the open
+            # transaction; a second connection would wait on our own write lock.
+            with self.savepoint(current):
+                yield current
+            return
+        try:
+            connection, end = self._begin(readonly)
+        except Exception as exc:
+            raise (self._translate(exc) or exc) from exc
+        tx = Tx(connection, self, readonly=readonly)
+        self._local.tx = tx
+        try:
+            yield tx
+        except BaseException:
+            self._local.tx = None
+            try:
+                end(False)
+            except Exception:  # the original error matters more than a failed rollback
+                pass
+            raise
+        self._local.tx = None
+        try:
+            end(True)
+        except Exception as exc:
+            raise (self._translate(exc) or exc) from exc
+        for hook in tx.after_commit:
+            hook()
+
+    def run(self, fn: Callable[[Tx], T], *, readonly: bool = False) -> T:
+        attempt = 0
+        while True:
+            try:
+                with self.transaction(readonly=readonly) as tx:
+                    return fn(tx)
+            except Exception as exc:
+                cause = exc.__cause__ if exc.__cause__ is not None else exc
+                if getattr(self._local, "tx", None) is not None or not (
+                    self.is_transient(exc) or self.is_transient(cause)
+                ):
+                    raise
+                attempt += 1
+                self._backoff_sleep(attempt)
+
+    @contextmanager
+    def savepoint(self, tx: Tx) -> Iterator[None]:
+        depth = getattr(self._local, "depth", 0) + 1
+        self._local.depth = depth
+        name = f"wp_sp{depth}"
+        tx.connection.execute(f"SAVEPOINT {name}")
+        try:
+            yield
+        except BaseException:
+            tx.connection.execute(f"ROLLBACK TO SAVEPOINT {name}")
+            tx.connection.execute(f"RELEASE SAVEPOINT {name}")
+            raise
+        else:
+            tx.connection.execute(f"RELEASE SAVEPOINT {name}")
+        finally:
+            self._local.depth = depth - 1
+
+    # --- pools ------------------------------------------------------------------------------
+    _POOL_COLUMNS = (
+        "name, max_parallelism, retry_actions_by_default, max_attempts, initial_backoff, base,"
+        " log_level, status_ttl"
+    )
+
+    @staticmethod
+    def _pool(row: Sequence[Any]) -> PoolConfig:
+        return PoolConfig(
+            name=row[0],
+            max_parallelism=int(row[1]),
+            retry_actions_by_default=bool(row[2]),
+            default_retry=RetryBehavior(int(row[3]), float(row[4]), float(row[5])),
+            log_level=row[6],
+            status_ttl=float(row[7]),
+        )
+
+    def load_pool(self, tx: Tx, name: str) -> PoolConfig | None:
+        row = self.q(
+            tx, f"SELECT {self._POOL_COLUMNS} FROM {{s}}pools WHERE name = ?", (name,)
+        ).fetchone()
+        return None if row is None else self._pool(row)
+
+    def load_pools(self, tx: Tx) -> list[PoolConfig]:
+        rows = self.q(tx, f"SELECT {self._POOL_COLUMNS} FROM {{s}}pools ORDER BY name")
+        return [self._pool(row) for row in rows.fetchall()]
+
+    def save_pool(self, tx: Tx, config: PoolConfig) -> None:
+        retry = config.default_retry
+        self.q(
+            tx,
+            f"INSERT INTO {{s}}pools ({self._POOL_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT (name) DO UPDATE SET max_parallelism = excluded.max_parallelism,"
+            " retry_actions_by_default = excluded.retry_actions_by_default,"
+            " max_attempts = excluded.max_attempts, initial_backoff = excluded.initial_backoff,"
+            " base = excluded.base, log_level = excluded.log_level,"
+            " status_ttl = excluded.status_ttl",
+            (
+                config.name,
+                config.max_parallelism,
+                int(config.retry_actions_by_default),
+                retry.max_attempts,
+                retry.initial_backoff,
+                retry.base,
+                config.log_level,
+                config.status_ttl,
+            ),
+        )
+
+    def take_turn(self, tx: Tx, pool: str, duty: str, now: float, every: float) -> bool:
+        cur = self.q(
+            tx,
+            "UPDATE {s}duties SET next_at = ? WHERE pool = ? AND duty = ? AND next_at <= ?",
+            (now + every, pool, duty, now),
+        )
+        if cur.rowcount == 1:
+            return True
+        cur = self.q(
+            tx,
+            "INSERT INTO {s}duties (pool, duty, next_at) VALUES (?, ?, ?)"
+            " ON CONFLICT (pool, duty) DO NOTHING",
+            (pool, duty, now + every),
+        )
+        return bool(cur.rowcount == 1)
+
+    # --- work ---------------------------------------------------------------------------------
+    def insert_work(self, tx: Tx, items: Sequence[NewWork]) -> None:
+        sql = self._sql(
+            "INSERT INTO {s}work (id, pool, kind, fn_name, args, on_complete, context, retry,"
+            " timeout, state, due_at, attempt, cancel_requested, handler_failures, lost_count,"
+            " enqueued_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?, 0, 0, 0, 0, ?)"
+        )
+        rows = [
+            (
+                w.id,
+                w.pool,
+                w.kind,
+                w.fn_name,
+                w.args,
+                w.on_complete,
+                w.context,
+                _retry_json(w.retry),
+                w.timeout,
+                w.due_at,
+                w.enqueued_at,
+            )
+            for w in items
+        ]
+        self._executemany(tx, sql, rows)
+
+    def _executemany(self, tx: Tx, sql: str, rows: list[tuple[Any, ...]]) -> None:
+        tx.connection.executemany(sql, rows)
+
+    def running_count(self, tx: Tx, pool: str) -> int:
+        row = self.q(
+            tx, "SELECT count(*) FROM {s}work WHERE pool = ? AND state = 'running'", (pool,)
+        ).fetchone()
+        return int(row[0])
+
+    def claim(
+        self, tx: Tx, pool: str, limit: int, max_parallelism: int, worker_id: str, now: float
+    ) -> list[ClaimedWork]:
+        # Exact global limit: every claimer of this pool holds the pool lock from here
+        # to commit, and only claims add running rows, so the count below cannot be
+        # raised by anyone else before we commit (completions only lower it).
+        self._lock_pool(tx, pool)
+        free = min(limit, max_parallelism - self.running_count(tx, pool))
+        if free <= 0:
+            return []
+        rows = self.q(
+            tx,
+            "UPDATE {s}work SET state = 'running', attempt = attempt + 1, worker_id = ?,"
+            " started_at = ? WHERE id IN (SELECT id FROM {s}work WHERE pool = ?"
+            " AND state = 'pending' AND due_at <= ? ORDER BY due_at, id LIMIT ?"
+            + self.skip_locked
+            + ") RETURNING id, kind, fn_name, args, attempt, timeout, due_at",
+            (worker_id, now, pool, now, free),
+        ).fetchall()
+        return [
+            ClaimedWork(
+                id=r[0],
+                pool=pool,
+                kind=r[1],
+                fn_name=r[2],
+                args=r[3],
+                attempt=int(r[4]),
+                timeout=None if r[5] is None else float(r[5]),
+                due_at=float(r[6]),
+                started_at=now,
+            )
+            for r in rows
+        ]
+
+    def load_for_update(self, tx: Tx, work_id: str) -> ActiveWork | None:
+        row = self.q(
+            tx, f"SELECT {ACTIVE_COLUMNS} FROM {{s}}work WHERE id = ?" + self.for_update, (work_id,)
+        ).fetchone()
+        return None if row is None else _active(row)
+
+    def retry(
+        self, tx: Tx, work: ActiveWork, due_at: float, error: str, *, lost: bool = False
+    ) -> bool:
+        cur = self.q(
+            tx,
+            "UPDATE {s}work SET state = 'pending', due_at = ?, last_error = ?, worker_id = NULL,"
+            " lost_count = lost_count + ? WHERE id = ? AND state = 'running' AND attempt = ?",
+            (due_at, error, int(lost), work.id, work.attempt),
+        )
+        return bool(cur.rowcount == 1)
+
+    def finish(
+        self, tx: Tx, work: ActiveWork, result: str, now: float, handler_error: str | None = None
+    ) -> bool:
+        cur = self.q(
+            tx,
+            "DELETE FROM {s}work WHERE id = ? AND state = ? AND attempt = ?",
+            (work.id, work.state, work.attempt),
+        )
+        if cur.rowcount != 1:
+            return False
+        self.q(
+            tx,
+            "INSERT INTO {s}finished (id, pool, fn_name, result, attempts, enqueued_at,"
+            " finished_at, handler_error) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                work.id,
+                work.pool,
+                work.fn_name,
+                result,
+                work.attempt,
+                work.enqueued_at,
+                now,
+                handler_error,
+            ),
+        )
+        return True
+
+    def hand_to_handler(
+        self, tx: Tx, work: ActiveWork, result: str, due_at: float, failures: int, error: str
+    ) -> bool:
+        cur = self.q(
+            tx,
+            "UPDATE {s}work SET state = 'completing', result = ?, due_at = ?,"
+            " handler_failures = ?, last_error = ?, worker_id = NULL"
+            " WHERE id = ? AND state = ? AND attempt = ?",
+            (result, due_at, failures, error, work.id, work.state, work.attempt),
+        )
+        return bool(cur.rowcount == 1)
+
+    def due_handlers(
+        self, tx: Tx, pools: Sequence[str], now: float, limit: int
+    ) -> list[ActiveWork]:
+        marks = ", ".join("?" * len(pools))
+        rows = self.q(
+            tx,
+            f"SELECT {ACTIVE_COLUMNS} FROM {{s}}work WHERE state = 'completing' AND due_at <= ?"
+            f" AND pool IN ({marks}) ORDER BY due_at LIMIT ?" + self.skip_locked,
+            (now, *pools, limit),
+        ).fetchall()
+        return [_active(r) for r in rows]
+
+    def lost_work(
+        self, tx: Tx, pools: Sequence[str], now: float, limit: int
+    ) -> list[ActiveWork]:
+        marks = ", ".join("?" * len(pools))
+        rows = self.q(
+            tx,
+            f"SELECT {ACTIVE_COLUMNS} FROM {{s}}work w WHERE state = 'running'"
+            f" AND pool IN ({marks}) AND NOT EXISTS (SELECT 1 FROM {{s}}workers k"
+            " WHERE k.id = w.worker_id AND k.expires_at > ?) LIMIT ?" + self.skip_locked,
+            (*pools, now, limit),
+        ).fetchall()
+        return [_active(r) for r in rows]
+
+    def flag_cancel(self, tx: Tx, work: ActiveWork) -> bool:
+        cur = self.q(
+            tx,
+            "UPDATE {s}work SET cancel_requested = 1 WHERE id = ? AND state = 'running'"
+            " AND attempt = ?",
+            (work.id, work.attempt),
+        )
+        return bool(cur.rowcount == 1)
+
+    def cancelable_ids(self, tx: Tx, pool: str, before: float, limit: int) -> list[str]:
+        rows = self.q(
+            tx,
+            "SELECT id FROM {s}work WHERE pool = ? AND enqueued_at <= ?"
+            " AND (state = 'pending' OR (state = 'running' AND cancel_requested = 0))"
+            " ORDER BY enqueued_at DESC LIMIT ?",
+            (pool, before, limit),
+        ).fetchall()
+        return [r[0] for r in rows]
+
+    def statuses(self, tx: Tx, ids: Sequence[str]) -> dict[str, StatusRow]:
+        found: dict[str, StatusRow] = {}
+        for chunk in self.iter_chunks(ids, IN_CHUNK):
+            marks = ", ".join("?" * len(chunk))
+            for row in self.q(
+                tx, f"SELECT {ACTIVE_COLUMNS} FROM {{s}}work WHERE id IN ({marks})", chunk
+            ).fetchall():
+                found[row[0]] = StatusRow(active=_active(row))
+            for row in self.q(
+                tx,
+                "SELECT id, pool, result, attempts, finished_at, handler_error"
+                f" FROM {{s}}finished WHERE id IN ({marks})",
+                chunk,
+            ).fetchall():
+                found.setdefault(
+                    row[0],
+                    StatusRow(
+                        finished=FinishedRow(
+                            row[0], row[1], row[2], int(row[3]), float(row[4]), row[5]
+                        )
+                    ),
+                )
+        return found
+
+    def prune(self, tx: Tx, pool: str, before: float, limit: int) -> int:
+        cur = self.q(
+            tx,
+            "DELETE FROM {s}finished WHERE id IN (SELECT id FROM {s}finished WHERE pool = ?"
+            " AND finished_at < ? ORDER BY finished_at LIMIT ?)",
+            (pool, before, limit),
+        )
+        return int(cur.rowcount)
+
+    # --- workers, counters, introspection ---------------------------------------------------
+    def heartbeat(self, tx: Tx, worker: WorkerInfo, now: float, expires_at: float) -> None:
+        self.q(
+            tx,
+            "INSERT INTO {s}workers (id, host, pid, pools, started_at, heartbeat_at, expires_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET"
+            " heartbeat_at = excluded.heartbeat_at, expires_at = excluded.expires_at",
+            (worker.id, worker.host, worker.pid, ",".join(worker.pools), now, now, expires_at),
+        )
+
+    def remove_worker(self, tx: Tx, worker_id: str) -> None:
+        self.q(tx, "DELETE FROM {s}workers WHERE id = ?", (worker_id,))
+
+    def forget_dead_workers(self, tx: Tx, now: float) -> int:
+        # Rows of lost workers stay an hour so operators can see who vanished; their
+        # work is rescued independently (a missing worker row counts as expired).
+        cur = self.q(tx, "DELETE FROM {s}workers WHERE expires_at < ?", (now - 3600.0,))
+        return int(cur.rowcount)
+
+    def add_counters(
+        self, tx: Tx, pool: str, worker_id: str, bucket: int, counters: Counters
+    ) -> None:
+        # One row per (pool, worker, minute): completions of different workers never
+        # update the same row.
+        self.q(
+            tx,
+            "INSERT INTO {s}counters (pool, worker_id, bucket, completed, succeeded, failed,"
+            " retries, canceled, lag_count, lag_sum, lag_max) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?,"
+            " ?, ?) ON CONFLICT (pool, worker_id, bucket) DO UPDATE SET"
+            " completed = {s}counters.completed + excluded.completed,"
+            " succeeded = {s}counters.succeeded + excluded.succeeded,"
+            " failed = {s}counters.failed + excluded.failed,"
+            " retries = {s}counters.retries + excluded.retries,"
+            " canceled = {s}counters.canceled + excluded.canceled,"
+            " lag_count = {s}counters.lag_count + excluded.lag_count,"
+            " lag_sum = {s}counters.lag_sum + excluded.lag_sum,"
+            " lag_max = CASE WHEN excluded.lag_max > {s}counters.lag_max"
+            " THEN excluded.lag_max ELSE {s}counters.lag_max END",
+            (
+                pool,
+                worker_id,
+                bucket,
+                counters.completed,
+                counters.succeeded,
+                counters.failed,
+                counters.retries,
+                counters.canceled,
+                counters.lag_count,
+                counters.lag_sum,
+                counters.lag_max,
+            ),
+        )
+
+    def read_counters(self, tx: Tx, pool: str, since_bucket: int) -> Counters:
+        row = self.q(
+            tx,
+            "SELECT coalesce(sum(completed), 0), coalesce(sum(succeeded), 0),"
+            " coalesce(sum(failed), 0), coalesce(sum(retries), 0), coalesce(sum(canceled), 0),"
+            " coalesce(sum(lag_count), 0), coalesce(sum(lag_sum), 0), coalesce(max(lag_max), 0)"
+            " FROM {s}counters WHERE pool = ? AND bucket >= ?",
+            (pool, since_bucket),
+        ).fetchone()
+        return Counters(
+            int(row[0]),
+            int(row[1]),
+            int(row[2]),
+            int(row[3]),
+            int(row[4]),
+            int(row[5]),
+            float(row[6]),
+            float(row[7]),
+        )
+
+    def prune_counters(self, tx: Tx, pool: str, before_bucket: int) -> int:
+        cur = self.q(
+            tx, "DELETE FROM {s}counters WHERE pool = ? AND bucket < ?", (pool, before_bucket)
+        )
+        return int(cur.rowcount)
+
+    def pool_counts(self, tx: Tx, pool: str, now: float) -> PoolCounts:
+        row = self.q(
+            tx,
+            "SELECT coalesce(sum(CASE WHEN state = 'running' THEN 1 ELSE 0 END), 0),"
+            " coalesce(sum(CASE WHEN state = 'pending' AND due_at <= ? THEN 1 ELSE 0 END), 0),"
+            " coalesce(sum(CASE WHEN state = 'pending' AND due_at > ? THEN 1 ELSE 0 END), 0),"
+            " coalesce(sum(CASE WHEN state = 'completing' THEN 1 ELSE 0 END), 0)"
+            " FROM {s}work WHERE pool = ?",
+            (now, now, pool),
+        ).fetchone()
+        finished = self.q(
+            tx, "SELECT count(*) FROM {s}finished WHERE pool = ?", (pool,)
+        ).fetchone()
+        return PoolCounts(int(row[0]), int(row[1]), int(row[2]), int(row[3]), int(finished[0]))
+
+    def active_count(self, tx: Tx, pools: Sequence[str]) -> int:
+        marks = ", ".join("?" * len(pools))
+        row = self.q(
+            tx, f"SELECT count(*) FROM {{s}}work WHERE pool IN ({marks})", list(pools)
+        ).fetchone()
+        return int(row[0])
+
+    def next_due(self, tx: Tx, pools: Sequence[str]) -> float | None:
+        marks = ", ".join("?" * len(pools))
+        row = self.q(
+            tx,
+            "SELECT min(due_at) FROM {s}work WHERE state IN ('pending', 'completing')"
+            f" AND pool IN ({marks})",
+            list(pools),
+        ).fetchone()
+        return None if row[0] is None else float(row[0])

@@ -1,0 +1,86 @@
+"""SQLite schema migrations, applied in order; ``PRAGMA user_version`` records the last one."""
+
+from __future__ import annotations
+
+MIGRATIONS: list[str] = [
+    """
+    CREATE TABLE pools (
+        name TEXT PRIMARY KEY,
+        max_parallelism INTEGER NOT NULL,
+        retry_actions_by_default INTEGER NOT NULL,
+        max_attempts INTEGER NOT NULL,
+        initial_backoff REAL NOT NULL,
+        base REAL NOT NULL,
+        log_level TEXT NOT NULL,
+        status_ttl REAL NOT NULL
+    );
+    CREATE TABLE duties (
+        pool TEXT NOT NULL,
+        duty TEXT NOT NULL,
+        next_at REAL NOT NULL,
+        PRIMARY KEY (pool, duty)
+    );
+    -- Active work only (pending, running, completing): the table every claim reads.
+    CREATE TABLE work (
+        id TEXT PRIMARY KEY,
+        pool TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        fn_name TEXT NOT NULL,
+        args TEXT NOT NULL,
+        on_complete TEXT,
+        context TEXT,
+        retry TEXT,
+        timeout REAL,
+        state TEXT NOT NULL,
+        due_at REAL NOT NULL,
+        attempt INTEGER NOT NULL,
+        worker_id TEXT,
+        started_at REAL,
+        cancel_requested INTEGER NOT NULL,
+        last_error TEXT,
+        result TEXT,
+        handler_failures INTEGER NOT NULL,
+        lost_count INTEGER NOT NULL,
+        enqueued_at REAL NOT NULL
+    );
+    CREATE INDEX work_pending ON work (pool, due_at, id) WHERE state = 'pending';
+    CREATE INDEX work_running ON work (pool, worker_id) WHERE state = 'running';
+    CREATE INDEX work_completing ON work (due_at) WHERE state = 'completing';
+    CREATE INDEX work_enqueued ON work (pool, enqueued_at);
+    -- Finished work and its result, kept for the pool's status_ttl.
+    CREATE TABLE finished (
+        id TEXT PRIMARY KEY,
+        pool TEXT NOT NULL,
+        fn_name TEXT NOT NULL,
+        result TEXT NOT NULL,
+        attempts INTEGER NOT NULL,
+        enqueued_at REAL NOT NULL,
+        finished_at REAL NOT NULL,
+        handler_error TEXT
+    );
+    CREATE INDEX finished_age ON finished (pool, finished_at);
+    CREATE TABLE workers (
+        id TEXT PRIMARY KEY,
+        host TEXT NOT NULL,
+        pid INTEGER NOT NULL,
+        pools TEXT NOT NULL,
+        started_at REAL NOT NULL,
+        heartbeat_at REAL NOT NULL,
+        expires_at REAL NOT NULL
+    );
+    CREATE TABLE counters (
+        pool TEXT NOT NULL,
+        worker_id TEXT NOT NULL,
+        bucket INTEGER NOT NULL,
+        completed INTEGER NOT NULL,
+        succeeded INTEGER NOT NULL,
+        failed INTEGER NOT NULL,
+        retries INTEGER NOT NULL,
+        canceled INTEGER NOT NULL,
+        lag_count INTEGER NOT NULL,
+        lag_sum REAL NOT NULL,
+        lag_max REAL NOT NULL,
+        PRIMARY KEY (pool, worker_id, bucket)
+    );
+    """,
+]

@@ -1,0 +1,135 @@
+"""SqliteStore: connections per thread, WAL, busy handling and change polling."""
+
+from __future__ import annotations
+
+import os
+import random
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from workpool.core.errors import InvalidArgumentError, StoreUnavailableError
+from workpool.store.base import Capabilities, Tx
+from workpool.store.sql import SqlStore
+from workpool.store.sqlite.migrations import MIGRATIONS
+
+# How long one statement waits for another process's write lock before SQLite
+# reports "busy"; ``run`` then retries the whole transaction, so a busy error
+# only reaches users when the file is held for minutes.
+BUSY_TIMEOUT_S = 30.0
+CHANGE_POLL_S = 0.002  # data_version probe interval while idle: ~2 ms wake-up latency
+
+
+class SqliteStore(SqlStore):
+    capabilities = Capabilities(notifications=False, skip_locked=False, change_polling=True)
+
+    def __init__(self, path: str, *, synchronous: str = "NORMAL") -> None:
+        super().__init__()
+        if synchronous.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
+            raise InvalidArgumentError(f"synchronous={synchronous!r} is not a SQLite setting")
+        self.path = path
+        self.url = f"sqlite:///{path}"
+        self.synchronous = synchronous.upper()
+        self._connections: list[sqlite3.Connection] = []
+        self._lock = threading.Lock()
+        self._probe: sqlite3.Connection | None = None
+        self._seen_version: int | None = None
+        self._migrated = False
+
+    def _connect(self) -> sqlite3.Connection:
+        directory = os.path.dirname(os.path.abspath(self.path))
+        if not os.path.isdir(directory):
+            raise StoreUnavailableError(f"cannot open {self.url}: directory {directory} is missing")
+        try:
+            conn = sqlite3.connect(
+                self.path,
+                timeout=BUSY_TIMEOUT_S,
+                isolation_level=None,
+                check_same_thread=False,
+            )
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute(f"PRAGMA synchronous={self.synchronous}")
+        except sqlite3.Error as exc:
+            raise StoreUnavailableError(f"cannot open {self.url}: {exc}") from exc
+        with self._lock:
+            self._connections.append(conn)
+        return conn
+
+    def _connection(self) -> sqlite3.Connection:
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._connect()
+            self._local.conn = conn
+        return conn
+
+    def migrate(self) -> None:
+        if self._migrated:
+            return
+        conn = self._connection()
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            for number, script in enumerate(MIGRATIONS[version:], start=version + 1):
+                for statement in script.split(";"):
+                    if statement.strip():
+                        conn.execute(statement)
+                conn.execute(f"PRAGMA user_version={number}")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        self._migrated = True
+
+    def close(self) -> None:
+        with self._lock:
+            for conn in self._connections:
+                conn.close()
+            self._connections.clear()
+        self._local = threading.local()
+        self._probe = None
+
+    def _begin(self, readonly: bool) -> tuple[Any, Callable[[bool], None]]:
+        conn = self._connection()
+        # IMMEDIATE takes the write lock up front: a deferred transaction that later
+        # writes can fail with SQLITE_BUSY_SNAPSHOT, which no busy timeout retries.
+        conn.execute("BEGIN" if readonly else "BEGIN IMMEDIATE")
+
+        def end(commit: bool) -> None:
+            conn.execute("COMMIT" if commit else "ROLLBACK")
+
+        return conn, end
+
+    def is_transient(self, exc: BaseException) -> bool:
+        if not isinstance(exc, sqlite3.OperationalError):
+            return False
+        text = str(exc).lower()
+        return "locked" in text or "busy" in text
+
+    def _backoff_sleep(self, attempt: int) -> None:
+        time.sleep(min(0.001 * 2**attempt, 0.2) * (0.5 + random.random()))
+
+    def adopt(self, connection: Any) -> Tx | None:
+        if isinstance(connection, sqlite3.Connection):
+            return Tx(connection, self)
+        return None
+
+    def notify(self, tx: Tx, pools: Any) -> None:
+        """Other processes notice any commit through ``data_version``; nothing to send."""
+
+    def wait_for_change(self, timeout: float) -> bool:
+        if self._probe is None:
+            self._probe = self._connect()
+        deadline = time.monotonic() + timeout
+        while True:
+            version = int(self._probe.execute("PRAGMA data_version").fetchone()[0])
+            if self._seen_version is None:
+                self._seen_version = version
+            elif version != self._seen_version:
+                self._seen_version = version
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            time.sleep(min(CHANGE_POLL_S, remaining))
