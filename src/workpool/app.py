@@ -73,6 +73,7 @@ class App:
 
     def _register(self, kind: FnKind, fn: F | None, name: str | None) -> F | Callable[[F], F]:
         if fn is None:
+
             def decorate(f: F) -> F:
                 self.registry.register(f, kind, name)
                 return f
@@ -94,8 +95,9 @@ class App:
     ) -> Pool:
         """The pool ``name``; options given overwrite the stored config on first use."""
         check_name(name, "pool name")
-        options = check_pool_options(max_parallelism, retry_actions_by_default, default_retry,
-                                     log_level, status_ttl)
+        options = check_pool_options(
+            max_parallelism, retry_actions_by_default, default_retry, log_level, status_ttl
+        )
         pool = Pool(self, name, options)
         self._pools[name] = pool
         return pool
@@ -172,8 +174,14 @@ class App:
         lease: float = 15.0,
         shutdown_grace: float = 30.0,
     ) -> None:
-        await asyncio.to_thread(self.run_worker, pools, concurrency, until_idle, lease=lease,
-                                shutdown_grace=shutdown_grace)
+        await asyncio.to_thread(
+            self.run_worker,
+            pools,
+            concurrency,
+            until_idle,
+            lease=lease,
+            shutdown_grace=shutdown_grace,
+        )
 
     def stop_workers(self) -> None:
         """Ask this App's running workers to stop claiming and leave gracefully."""

@@ -41,10 +41,12 @@ CANCEL_PAGE = 64  # items canceled per transaction by cancel_all
 CLIENT_ID = "client"  # worker id under which client-side cancels are counted
 
 
-def _async_twin(fn: Callable[Concatenate[Pool, P], R]) -> Callable[Concatenate[Pool, P], Awaitable[R]]:
+def _async_twin(
+    fn: Callable[Concatenate[Pool, P], R],
+) -> Callable[Concatenate[Pool, P], Awaitable[R]]:
     """The ``_async`` twin of a client method: the same code on a worker thread."""
 
-    async def twin(self: Pool, *args: P.args, **kwargs: P.kwargs) -> R:
+    async def twin(self: Pool, /, *args: P.args, **kwargs: P.kwargs) -> R:
         return await asyncio.to_thread(fn, self, *args, **kwargs)
 
     twin.__name__ = f"{fn.__name__}_async"
@@ -71,7 +73,9 @@ def check_pool_options(
         options["retry_actions_by_default"] = retry_actions_by_default
     if default_retry is not None:
         if not isinstance(default_retry, RetryBehavior):
-            raise InvalidTypeError(f"default_retry must be a RetryBehavior, got {default_retry!r:.80}")
+            raise InvalidTypeError(
+                f"default_retry must be a RetryBehavior, got {default_retry!r:.80}"
+            )
         options["default_retry"] = default_retry
     if log_level is not None:
         options["log_level"] = check_log_level(log_level)
@@ -105,10 +109,15 @@ class Pool:
     def _mark_applied(self) -> None:
         self._applied = True
 
-    def configure(self, **options: Any) -> PoolConfig:
+    def configure(self, /, **options: Any) -> PoolConfig:
         """Change the stored config at run time (``max_parallelism=0`` pauses everywhere)."""
-        unknown = set(options) - {"max_parallelism", "retry_actions_by_default", "default_retry",
-                                  "log_level", "status_ttl"}
+        unknown = set(options) - {
+            "max_parallelism",
+            "retry_actions_by_default",
+            "default_retry",
+            "log_level",
+            "status_ttl",
+        }
         if unknown:
             raise InvalidTypeError(f"configure() got unknown options: {', '.join(sorted(unknown))}")
         given = check_pool_options(**options)
@@ -146,8 +155,9 @@ class Pool:
         tx: Any = None,
     ) -> str:
         """Enqueue one action; returns its work id."""
-        return self._enqueue("action", fn, [args], retry, on_complete, context, run_at,
-                             run_after, timeout, tx)[0]
+        return self._enqueue(
+            "action", fn, [args], retry, on_complete, context, run_at, run_after, timeout, tx
+        )[0]
 
     def enqueue_action_batch(
         self,
@@ -163,8 +173,18 @@ class Pool:
         tx: Any = None,
     ) -> list[str]:
         """Enqueue one action per args dict, atomically; ids in input order."""
-        return self._enqueue("action", fn, _as_list(args_list), retry, on_complete, context,
-                             run_at, run_after, timeout, tx)
+        return self._enqueue(
+            "action",
+            fn,
+            _as_list(args_list),
+            retry,
+            on_complete,
+            context,
+            run_at,
+            run_after,
+            timeout,
+            tx,
+        )
 
     def enqueue_mutation(
         self,
@@ -178,8 +198,9 @@ class Pool:
         tx: Any = None,
     ) -> str:
         """Enqueue one mutation: it runs exactly once in effect, inside the store transaction."""
-        return self._enqueue("mutation", fn, [args], None, on_complete, context, run_at,
-                             run_after, None, tx)[0]
+        return self._enqueue(
+            "mutation", fn, [args], None, on_complete, context, run_at, run_after, None, tx
+        )[0]
 
     def enqueue_mutation_batch(
         self,
@@ -192,8 +213,18 @@ class Pool:
         run_after: float | None = None,
         tx: Any = None,
     ) -> list[str]:
-        return self._enqueue("mutation", fn, _as_list(args_list), None, on_complete, context,
-                             run_at, run_after, None, tx)
+        return self._enqueue(
+            "mutation",
+            fn,
+            _as_list(args_list),
+            None,
+            on_complete,
+            context,
+            run_at,
+            run_after,
+            None,
+            tx,
+        )
 
     def enqueue_query(
         self,
@@ -207,8 +238,9 @@ class Pool:
         tx: Any = None,
     ) -> str:
         """Enqueue one query; its return value goes to on_complete."""
-        return self._enqueue("query", fn, [args], None, on_complete, context, run_at,
-                             run_after, None, tx)[0]
+        return self._enqueue(
+            "query", fn, [args], None, on_complete, context, run_at, run_after, None, tx
+        )[0]
 
     def enqueue_query_batch(
         self,
@@ -221,8 +253,18 @@ class Pool:
         run_after: float | None = None,
         tx: Any = None,
     ) -> list[str]:
-        return self._enqueue("query", fn, _as_list(args_list), None, on_complete, context,
-                             run_at, run_after, None, tx)
+        return self._enqueue(
+            "query",
+            fn,
+            _as_list(args_list),
+            None,
+            on_complete,
+            context,
+            run_at,
+            run_after,
+            None,
+            tx,
+        )
 
     def _enqueue(
         self,
@@ -256,22 +298,44 @@ class Pool:
             config = self._config(tx)
             behavior = None
             if kind == "action":
-                behavior = resolve_retry(retry, default=config.default_retry,
-                                         retry_by_default=config.retry_actions_by_default)
-            self.app.store.insert_work(tx, [
-                NewWork(id=work_id, pool=self.name, kind=kind, fn_name=spec.name, args=payload,
-                        on_complete=handler, context=context_json, retry=behavior,
-                        timeout=timeout_s, due_at=due_at, enqueued_at=now)
-                for work_id, payload in zip(ids, payloads, strict=True)
-            ])
+                behavior = resolve_retry(
+                    retry,
+                    default=config.default_retry,
+                    retry_by_default=config.retry_actions_by_default,
+                )
+            self.app.store.insert_work(
+                tx,
+                [
+                    NewWork(
+                        id=work_id,
+                        pool=self.name,
+                        kind=kind,
+                        fn_name=spec.name,
+                        args=payload,
+                        on_complete=handler,
+                        context=context_json,
+                        retry=behavior,
+                        timeout=timeout_s,
+                        due_at=due_at,
+                        enqueued_at=now,
+                    )
+                    for work_id, payload in zip(ids, payloads, strict=True)
+                ],
+            )
             self.app.store.notify(tx, [self.name])
             return config
 
         config = self.app.run(body, tx=tx)
-        if events.LEVELS.get(config.log_level, events.REPORT) <= events.logging.INFO:
+        if events.LEVELS.get(config.log_level, events.REPORT) <= events.INFO:
             for work_id in ids:
-                events.enqueued(config.log_level, pool=self.name, work_id=work_id,
-                                fn_name=spec.name, kind=kind, due_at=due_at)
+                events.enqueued(
+                    config.log_level,
+                    pool=self.name,
+                    work_id=work_id,
+                    fn_name=spec.name,
+                    kind=kind,
+                    due_at=due_at,
+                )
         return ids
 
     # --- status ---------------------------------------------------------------------------
@@ -336,8 +400,9 @@ class Pool:
         ``limit`` caps how many items are canceled in all; work is canceled in
         transactions of a bounded size. Returns how many items were canceled.
         """
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
-                                  or limit < 1):
+        if limit is not None and (
+            isinstance(limit, bool) or not isinstance(limit, int) or limit < 1
+        ):
             raise InvalidArgumentError(f"limit must be a positive int, got {limit!r}")
         if before is None:
             cutoff = self.app.clock()

@@ -11,6 +11,7 @@ import json
 import logging
 from typing import Any
 
+INFO = logging.INFO
 TRACE = 15
 REPORT = 25
 logging.addLevelName(TRACE, "TRACE")
@@ -37,23 +38,55 @@ def emit(event: str, level: int, pool_level: str, **fields: Any) -> None:
     logger.log(level, json.dumps({"component": "workpool", "event": event, **fields}))
 
 
-def enqueued(pool_level: str, *, pool: str, work_id: str, fn_name: str, kind: str,
-             due_at: float) -> None:
-    emit("enqueued", logging.INFO, pool_level, pool=pool, work_id=work_id, fn_name=fn_name,
-         kind=kind, due_at=round(due_at, 3))
+def enqueued(
+    pool_level: str, *, pool: str, work_id: str, fn_name: str, kind: str, due_at: float
+) -> None:
+    emit(
+        "enqueued",
+        logging.INFO,
+        pool_level,
+        pool=pool,
+        work_id=work_id,
+        fn_name=fn_name,
+        kind=kind,
+        due_at=round(due_at, 3),
+    )
 
 
-def started(pool_level: str, *, pool: str, work_id: str, fn_name: str, attempt: int,
-            start_lag: float) -> None:
-    emit("started", logging.INFO, pool_level, pool=pool, work_id=work_id, fn_name=fn_name,
-         attempt=attempt, start_lag=round(start_lag, 6))
+def started(
+    pool_level: str, *, pool: str, work_id: str, fn_name: str, attempt: int, start_lag: float
+) -> None:
+    emit(
+        "started",
+        logging.INFO,
+        pool_level,
+        pool=pool,
+        work_id=work_id,
+        fn_name=fn_name,
+        attempt=attempt,
+        start_lag=round(start_lag, 6),
+    )
 
 
-def completed(pool_level: str, *, pool: str, work_id: str, fn_name: str, status: str,
-              attempts: int, duration: float | None, error: str | None = None) -> None:
-    fields: dict[str, Any] = {"pool": pool, "work_id": work_id, "fn_name": fn_name,
-                              "status": status, "attempts": attempts,
-                              "duration": None if duration is None else round(duration, 6)}
+def completed(
+    pool_level: str,
+    *,
+    pool: str,
+    work_id: str,
+    fn_name: str,
+    status: str,
+    attempts: int,
+    duration: float | None,
+    error: str | None = None,
+) -> None:
+    fields: dict[str, Any] = {
+        "pool": pool,
+        "work_id": work_id,
+        "fn_name": fn_name,
+        "status": status,
+        "attempts": attempts,
+        "duration": None if duration is None else round(duration, 6),
+    }
     if error is not None:
         fields["error"] = error
     emit("completed", logging.INFO, pool_level, **fields)
@@ -63,11 +96,29 @@ def report(pool_level: str, **fields: Any) -> None:
     emit("report", REPORT, pool_level, **fields)
 
 
-def handler_failed(pool_level: str, *, pool: str, work_id: str, handler: str, failures: int,
-                   error: str, traceback: str, final: bool) -> None:
-    emit("on_complete_failed", logging.ERROR if final else logging.WARNING, pool_level,
-         pool=pool, work_id=work_id, handler=handler, failures=failures, error=error,
-         final=final, traceback=traceback)
+def handler_failed(
+    pool_level: str,
+    *,
+    pool: str,
+    work_id: str,
+    handler: str,
+    failures: int,
+    error: str,
+    traceback: str,
+    final: bool,
+) -> None:
+    emit(
+        "on_complete_failed",
+        logging.ERROR if final else logging.WARNING,
+        pool_level,
+        pool=pool,
+        work_id=work_id,
+        handler=handler,
+        failures=failures,
+        error=error,
+        final=final,
+        traceback=traceback,
+    )
 
 
 def worker_event(event: str, level: int, **fields: Any) -> None:

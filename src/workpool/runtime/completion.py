@@ -94,17 +94,31 @@ class Completion:
                 if not self.store.retry(tx, work, due_at, error):
                     return False
                 tally.add(work.pool, Counters(completed=1, retries=1))
-                events.completed(level, pool=work.pool, work_id=work.id, fn_name=work.fn_name,
-                                 status="retrying", attempts=work.attempt, duration=duration,
-                                 error=error)
+                events.completed(
+                    level,
+                    pool=work.pool,
+                    work_id=work.id,
+                    fn_name=work.fn_name,
+                    status="retrying",
+                    attempts=work.attempt,
+                    duration=duration,
+                    error=error,
+                )
                 return True
             case Finish(result):
                 if not self.finish(tx, work, result, now):
                     return False
                 tally.add(work.pool, _counted(result))
-                events.completed(level, pool=work.pool, work_id=work.id, fn_name=work.fn_name,
-                                 status=result.kind, attempts=work.attempt, duration=duration,
-                                 error=result.error if isinstance(result, Failed) else None)
+                events.completed(
+                    level,
+                    pool=work.pool,
+                    work_id=work.id,
+                    fn_name=work.fn_name,
+                    status=result.kind,
+                    attempts=work.attempt,
+                    duration=duration,
+                    error=result.error if isinstance(result, Failed) else None,
+                )
                 return True
         return False
 
@@ -122,9 +136,16 @@ class Completion:
             return self.store.finish(tx, work, result_json, now)
         failures = work.handler_failures + 1
         final = failures >= HANDLER_RETRY.max_attempts
-        events.handler_failed(self.pool_level(work.pool), pool=work.pool, work_id=work.id,
-                              handler=work.on_complete, failures=failures, error=error[0],
-                              traceback=error[1], final=final)
+        events.handler_failed(
+            self.pool_level(work.pool),
+            pool=work.pool,
+            work_id=work.id,
+            handler=work.on_complete,
+            failures=failures,
+            error=error[0],
+            traceback=error[1],
+            final=final,
+        )
         if final:
             return self.store.finish(tx, work, result_json, now, handler_error=error[0])
         due_at = now + HANDLER_RETRY.delay(failures, self.rand())
@@ -156,9 +177,15 @@ class Completion:
         match work.state:
             case "pending":
                 tally.add(work.pool, _counted(Canceled()))
-                events.completed(self.pool_level(work.pool), pool=work.pool, work_id=work.id,
-                                 fn_name=work.fn_name, status="canceled", attempts=work.attempt,
-                                 duration=None)
+                events.completed(
+                    self.pool_level(work.pool),
+                    pool=work.pool,
+                    work_id=work.id,
+                    fn_name=work.fn_name,
+                    status="canceled",
+                    attempts=work.attempt,
+                    duration=None,
+                )
                 if work.on_complete is None:
                     return self.store.finish(tx, work, result_to_json(Canceled()), now)
                 # The handler runs in a worker, which has it registered; the caller may not.
@@ -171,8 +198,15 @@ class Completion:
 
     def rescue(self, tx: Tx, work: ActiveWork, now: float, tally: Tally) -> bool:
         """Work whose worker vanished: a failed attempt (actions) or a re-run (mutations)."""
-        events.worker_event("work_lost", 30, pool=work.pool, work_id=work.id,
-                            fn_name=work.fn_name, attempt=work.attempt, worker_id=work.worker_id)
+        events.worker_event(
+            "work_lost",
+            30,
+            pool=work.pool,
+            work_id=work.id,
+            fn_name=work.fn_name,
+            attempt=work.attempt,
+            worker_id=work.worker_id,
+        )
         if work.kind == "action":
             return self.complete(tx, work, Raised(WORKER_LOST), now, tally)
         if work.cancel_requested:  # the lost run never committed: nothing ran
@@ -180,5 +214,10 @@ class Completion:
             return self.finish(tx, work, Canceled(), now)
         if work.lost_count + 1 < MAX_LOST_RUNS:
             return self.store.retry(tx, work, now, WORKER_LOST, lost=True)
-        return self.complete(tx, work, Raised(f"{WORKER_LOST} {work.lost_count + 1} times",
-                                              retryable=False), now, tally)
+        return self.complete(
+            tx,
+            work,
+            Raised(f"{WORKER_LOST} {work.lost_count + 1} times", retryable=False),
+            now,
+            tally,
+        )

@@ -43,8 +43,12 @@ class Maintenance:
             try:
                 self.tick(self.worker.clock())
             except Exception as exc:
-                events.worker_event("maintenance_failed", 40, worker_id=self.worker.info.id,
-                                    error=describe_error(exc))
+                events.worker_event(
+                    "maintenance_failed",
+                    40,
+                    worker_id=self.worker.info.id,
+                    error=describe_error(exc),
+                )
                 self._stop.wait(1.0)
             self._stop.wait(TICK_S)
 
@@ -71,25 +75,33 @@ class Maintenance:
 
     def heartbeat(self, now: float) -> None:
         worker = self.worker
-        self.store.run(lambda tx: self.store.heartbeat(
-            tx, worker.info, now, now + worker.options.lease))
+        self.store.run(
+            lambda tx: self.store.heartbeat(tx, worker.info, now, now + worker.options.lease)
+        )
 
     def rescue(self, pools: list[str], now: float) -> int:
         """Finish or retry attempts whose worker's lease expired."""
-        return self._batches(lambda tx, tally: [
-            self.worker.completion.rescue(tx, work, now, tally)
-            for work in self.store.lost_work(tx, pools, now, BATCH)
-        ], now)
+        return self._batches(
+            lambda tx, tally: [
+                self.worker.completion.rescue(tx, work, now, tally)
+                for work in self.store.lost_work(tx, pools, now, BATCH)
+            ],
+            now,
+        )
 
     def retry_handlers(self, pools: list[str], now: float) -> int:
-        return self._batches(lambda tx, tally: [
-            self.worker.completion.retry_handler(tx, work, now)
-            for work in self.store.due_handlers(tx, pools, now, BATCH)
-        ], now)
+        return self._batches(
+            lambda tx, tally: [
+                self.worker.completion.retry_handler(tx, work, now)
+                for work in self.store.due_handlers(tx, pools, now, BATCH)
+            ],
+            now,
+        )
 
     def _batches(self, step: object, now: float) -> int:
         total = 0
         while not self._stop.is_set():
+
             def body(tx: Tx) -> int:
                 tally = Tally()
                 done = step(tx, tally)  # type: ignore[operator]
@@ -132,7 +144,8 @@ class Maintenance:
             total += deleted
             if deleted < PRUNE_BATCH:
                 break
-        self.store.run(lambda tx: self.store.prune_counters(
-            tx, pool, int((now - COUNTER_RETENTION_S) // 60)))
+        self.store.run(
+            lambda tx: self.store.prune_counters(tx, pool, int((now - COUNTER_RETENTION_S) // 60))
+        )
         self.store.run(lambda tx: self.store.forget_dead_workers(tx, now))
         return total

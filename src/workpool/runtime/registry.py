@@ -52,7 +52,9 @@ class Registry:
         elif callable(fn):
             spec = self._by_fn.get(fn)
         else:
-            raise InvalidTypeError(f"{what} must be a registered function or its name, got {fn!r:.80}")
+            raise InvalidTypeError(
+                f"{what} must be a registered function or its name, got {fn!r:.80}"
+            )
         if spec is None:
             label = fn if isinstance(fn, str) else getattr(fn, "__qualname__", repr(fn))
             raise NotRegisteredError(

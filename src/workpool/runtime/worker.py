@@ -69,7 +69,9 @@ class Worker:
         self.options = options
         self.clock = clock
         self.info = WorkerInfo(
-            id=str(uuid.uuid4()), host=socket.gethostname(), pid=os.getpid(),
+            id=str(uuid.uuid4()),
+            host=socket.gethostname(),
+            pid=os.getpid(),
             pools=list(options.pools or []),
         )
         self.configs: dict[str, PoolConfig] = {}
@@ -112,14 +114,19 @@ class Worker:
         self.maintenance.heartbeat(self.clock())
         threads = [
             threading.Thread(target=self._complete_loop, name="workpool-completer", daemon=True),
-            threading.Thread(target=self.maintenance.run, name="workpool-maintenance",
-                             daemon=True),
+            threading.Thread(target=self.maintenance.run, name="workpool-maintenance", daemon=True),
             threading.Thread(target=self._watch_loop, name="workpool-watcher", daemon=True),
         ]
         for thread in threads:
             thread.start()
-        events.worker_event("worker_started", events.REPORT, worker_id=self.info.id, pid=self.info.pid,
-                            pools=self.options.pools, concurrency=self.options.concurrency)
+        events.worker_event(
+            "worker_started",
+            events.REPORT,
+            worker_id=self.info.id,
+            pid=self.info.pid,
+            pools=self.options.pools,
+            concurrency=self.options.concurrency,
+        )
         try:
             self._dispatch_loop()
         finally:
@@ -137,8 +144,13 @@ class Worker:
             except Exception as exc:
                 # The loop restarts with backoff: a failing store never spins a core.
                 backoff = min(max(backoff * 2, 0.05), 5.0)
-                events.worker_event("claim_failed", 40, worker_id=self.info.id,
-                                    error=describe_error(exc), retry_in=backoff)
+                events.worker_event(
+                    "claim_failed",
+                    40,
+                    worker_id=self.info.id,
+                    error=describe_error(exc),
+                    retry_in=backoff,
+                )
                 self.stopping.wait(backoff)
                 continue
             for work in claimed:
@@ -192,8 +204,9 @@ class Worker:
         with self._lock:
             if self._inflight or self._unrecorded:
                 return False
-        active = [p for p in self.served()
-                  if p in self.configs and self.configs[p].max_parallelism > 0]
+        active = [
+            p for p in self.served() if p in self.configs and self.configs[p].max_parallelism > 0
+        ]
         if not active:
             return True
         return self.store.run(lambda tx: self.store.active_count(tx, active), readonly=True) == 0
@@ -213,13 +226,24 @@ class Worker:
         deadline = None if work.timeout is None else time.monotonic() + work.timeout
         with self._lock:
             self._inflight[(work.id, work.attempt)] = _InFlight(work, deadline)
-        events.started(self.pool_level(work.pool), pool=work.pool, work_id=work.id,
-                       fn_name=work.fn_name, attempt=work.attempt,
-                       start_lag=work.started_at - work.due_at)
+        events.started(
+            self.pool_level(work.pool),
+            pool=work.pool,
+            work_id=work.id,
+            fn_name=work.fn_name,
+            attempt=work.attempt,
+            start_lag=work.started_at - work.due_at,
+        )
         spec = self.registry.get(work.fn_name)
         if spec is None or spec.kind != work.kind:
-            self._report(work, Raised(f"{work.kind} {work.fn_name!r} is not registered in this"
-                                      " worker's App", retryable=False), 0.0)
+            self._report(
+                work,
+                Raised(
+                    f"{work.kind} {work.fn_name!r} is not registered in this worker's App",
+                    retryable=False,
+                ),
+                0.0,
+            )
             self._release(work)
             return
         try:
@@ -300,8 +324,9 @@ class Worker:
             self.store.run(body)
         except Exception as exc:
             # The transaction could not commit: the lease will hand it to a rescuer.
-            events.worker_event("mutation_not_recorded", 40, work_id=work.id,
-                                error=describe_error(exc))
+            events.worker_event(
+                "mutation_not_recorded", 40, work_id=work.id, error=describe_error(exc)
+            )
         finally:
             self._release(work)
 
@@ -324,8 +349,11 @@ class Worker:
         """Fail sync attempts past their timeout (their threads cannot be killed)."""
         now = time.monotonic()
         with self._lock:
-            late = [e for e in self._inflight.values()
-                    if e.deadline is not None and not e.reported and now >= e.deadline]
+            late = [
+                e
+                for e in self._inflight.values()
+                if e.deadline is not None and not e.reported and now >= e.deadline
+            ]
         for entry in late:
             if entry.work.kind == "action" and entry.work.timeout is not None:
                 self._report(entry.work, _timed_out(entry.work.timeout), entry.work.timeout)
@@ -357,8 +385,7 @@ class Worker:
             tally = Tally()
             for work, outcome, duration in batch:
                 current = self.store.load_for_update(tx, work.id)
-                if (current is None or current.state != "running"
-                        or current.attempt != work.attempt):
+                if current is None or current.state != "running" or current.attempt != work.attempt:
                     continue  # stale completion: fenced by attempt number
                 try:
                     with self.store.savepoint(tx):
@@ -367,8 +394,9 @@ class Worker:
                     if self.store.is_transient(exc):
                         raise
                     # One bad item must not block the batch: record it failed instead.
-                    fallback = Raised(f"could not record the result: {describe_error(exc)}",
-                                      retryable=False)
+                    fallback = Raised(
+                        f"could not record the result: {describe_error(exc)}", retryable=False
+                    )
                     self.completion.complete(tx, current, fallback, now, tally, duration)
             tally.flush(self.store, tx, self.info.id, now)
 
@@ -380,8 +408,13 @@ class Worker:
             except Exception as exc:
                 if self.force.is_set():
                     return  # leaving now: lease expiry hands these to a rescuer
-                events.worker_event("complete_failed", 40, worker_id=self.info.id,
-                                    error=describe_error(exc), retry_in=delay)
+                events.worker_event(
+                    "complete_failed",
+                    40,
+                    worker_id=self.info.id,
+                    error=describe_error(exc),
+                    retry_in=delay,
+                )
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
@@ -423,7 +456,9 @@ class Worker:
             self.store.run(lambda tx: self.store.remove_worker(tx, self.info.id))
         except Exception as exc:
             events.worker_event("deregister_failed", 30, error=describe_error(exc))
-        events.worker_event("worker_stopped", events.REPORT, worker_id=self.info.id, abandoned=abandoned)
+        events.worker_event(
+            "worker_stopped", events.REPORT, worker_id=self.info.id, abandoned=abandoned
+        )
 
 
 def _returned(value: object) -> AttemptOutcome:

@@ -262,9 +262,7 @@ class Store(abc.ABC):
         """Completing work whose on_complete is due, locked (others skip it)."""
 
     @abc.abstractmethod
-    def lost_work(
-        self, tx: Tx, pools: Sequence[str], now: float, limit: int
-    ) -> list[ActiveWork]:
+    def lost_work(self, tx: Tx, pools: Sequence[str], now: float, limit: int) -> list[ActiveWork]:
         """Running work whose worker's lease expired, locked (others skip it)."""
 
     @abc.abstractmethod

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, ClassVar
 
+from workpool.core.errors import StoreUnavailableError
 from workpool.core.retry import RetryBehavior
 from workpool.store.base import (
     ActiveWork,
@@ -70,6 +72,9 @@ class SqlStore(Store):
     for_update: ClassVar[str] = ""  # row lock on a read inside a write transaction
     skip_locked: ClassVar[str] = ""  # row lock that skips rows others hold
     table_prefix: str = ""
+    # How long ``run`` keeps retrying transient failures (busy file, restarting
+    # server) before it reports the store unavailable.
+    retry_window: float = 60.0
 
     def __init__(self) -> None:
         self._sql_cache: dict[str, str] = {}
@@ -125,10 +130,8 @@ class SqlStore(Store):
             yield tx
         except BaseException:
             self._local.tx = None
-            try:
+            with suppress(Exception):  # the original error matters more than the rollback's
                 end(False)
-            except Exception:  # the original error matters more than a failed rollback
-                pass
             raise
         self._local.tx = None
         try:
@@ -140,6 +143,7 @@ class SqlStore(Store):
 
     def run(self, fn: Callable[[Tx], T], *, readonly: bool = False) -> T:
         attempt = 0
+        give_up = time.monotonic() + self.retry_window
         while True:
             try:
                 with self.transaction(readonly=readonly) as tx:
@@ -150,6 +154,11 @@ class SqlStore(Store):
                     self.is_transient(exc) or self.is_transient(cause)
                 ):
                     raise
+                if time.monotonic() > give_up:
+                    raise StoreUnavailableError(
+                        f"{self.url}: still failing after {self.retry_window:g} s of retries:"
+                        f" {cause}"
+                    ) from exc
                 attempt += 1
                 self._backoff_sleep(attempt)
 
@@ -241,6 +250,8 @@ class SqlStore(Store):
             "INSERT INTO {s}work (id, pool, kind, fn_name, args, on_complete, context, retry,"
             " timeout, state, due_at, attempt, cancel_requested, handler_failures, lost_count,"
             " enqueued_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?, 0, 0, 0, 0, ?)"
+            # A retry after an ambiguous commit (connection lost) must not fail.
+            " ON CONFLICT (id) DO NOTHING"
         )
         rows = [
             (
@@ -371,9 +382,7 @@ class SqlStore(Store):
         ).fetchall()
         return [_active(r) for r in rows]
 
-    def lost_work(
-        self, tx: Tx, pools: Sequence[str], now: float, limit: int
-    ) -> list[ActiveWork]:
+    def lost_work(self, tx: Tx, pools: Sequence[str], now: float, limit: int) -> list[ActiveWork]:
         marks = ", ".join("?" * len(pools))
         rows = self.q(
             tx,
@@ -525,9 +534,7 @@ class SqlStore(Store):
             " FROM {s}work WHERE pool = ?",
             (now, now, pool),
         ).fetchone()
-        finished = self.q(
-            tx, "SELECT count(*) FROM {s}finished WHERE pool = ?", (pool,)
-        ).fetchone()
+        finished = self.q(tx, "SELECT count(*) FROM {s}finished WHERE pool = ?", (pool,)).fetchone()
         return PoolCounts(int(row[0]), int(row[1]), int(row[2]), int(row[3]), int(finished[0]))
 
     def active_count(self, tx: Tx, pools: Sequence[str]) -> int:

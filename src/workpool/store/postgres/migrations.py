@@ -1,0 +1,92 @@
+"""PostgreSQL schema migrations, applied in order under an advisory lock.
+
+``{s}`` is replaced by the quoted schema name followed by a dot.
+"""
+
+from __future__ import annotations
+
+MIGRATIONS: list[str] = [
+    """
+    CREATE TABLE {s}pools (
+        name text PRIMARY KEY,
+        max_parallelism integer NOT NULL,
+        retry_actions_by_default smallint NOT NULL,
+        max_attempts integer NOT NULL,
+        initial_backoff double precision NOT NULL,
+        base double precision NOT NULL,
+        log_level text NOT NULL,
+        status_ttl double precision NOT NULL
+    );
+    CREATE TABLE {s}duties (
+        pool text NOT NULL,
+        duty text NOT NULL,
+        next_at double precision NOT NULL,
+        PRIMARY KEY (pool, duty)
+    );
+    -- Active work only (pending, running, completing): the table every claim reads.
+    -- Rows are updated a few times each and then deleted, so leave room for HOT
+    -- updates and let autovacuum visit early.
+    CREATE TABLE {s}work (
+        id text PRIMARY KEY,
+        pool text NOT NULL,
+        kind text NOT NULL,
+        fn_name text NOT NULL,
+        args text NOT NULL,
+        on_complete text,
+        context text,
+        retry text,
+        timeout double precision,
+        state text NOT NULL,
+        due_at double precision NOT NULL,
+        attempt integer NOT NULL,
+        worker_id text,
+        started_at double precision,
+        cancel_requested smallint NOT NULL,
+        last_error text,
+        result text,
+        handler_failures integer NOT NULL,
+        lost_count integer NOT NULL,
+        enqueued_at double precision NOT NULL
+    ) WITH (fillfactor = 70, autovacuum_vacuum_scale_factor = 0.02,
+            autovacuum_vacuum_insert_scale_factor = 0.05, autovacuum_analyze_scale_factor = 0.05);
+    CREATE INDEX work_pending ON {s}work (pool, due_at, id) WHERE state = 'pending';
+    CREATE INDEX work_running ON {s}work (pool, worker_id) WHERE state = 'running';
+    CREATE INDEX work_completing ON {s}work (due_at) WHERE state = 'completing';
+    CREATE INDEX work_enqueued ON {s}work (pool, enqueued_at);
+    -- Finished work and its result, kept for the pool's status_ttl; append-mostly.
+    CREATE TABLE {s}finished (
+        id text PRIMARY KEY,
+        pool text NOT NULL,
+        fn_name text NOT NULL,
+        result text NOT NULL,
+        attempts integer NOT NULL,
+        enqueued_at double precision NOT NULL,
+        finished_at double precision NOT NULL,
+        handler_error text
+    );
+    CREATE INDEX finished_age ON {s}finished (pool, finished_at);
+    CREATE TABLE {s}workers (
+        id text PRIMARY KEY,
+        host text NOT NULL,
+        pid integer NOT NULL,
+        pools text NOT NULL,
+        started_at double precision NOT NULL,
+        heartbeat_at double precision NOT NULL,
+        expires_at double precision NOT NULL
+    );
+    CREATE TABLE {s}counters (
+        pool text NOT NULL,
+        worker_id text NOT NULL,
+        bucket bigint NOT NULL,
+        completed bigint NOT NULL,
+        succeeded bigint NOT NULL,
+        failed bigint NOT NULL,
+        retries bigint NOT NULL,
+        canceled bigint NOT NULL,
+        lag_count bigint NOT NULL,
+        lag_sum double precision NOT NULL,
+        lag_max double precision NOT NULL,
+        PRIMARY KEY (pool, worker_id, bucket)
+    );
+    """,
+]

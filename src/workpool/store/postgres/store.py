@@ -1,0 +1,184 @@
+"""PostgresStore: pooled psycopg connections, advisory-locked claims, LISTEN/NOTIFY wake-ups."""
+
+from __future__ import annotations
+
+import random
+import re
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import psycopg
+import psycopg_pool
+from psycopg import errors as pg_errors
+
+from workpool.core.errors import InvalidArgumentError, StoreUnavailableError
+from workpool.store.base import Capabilities, Tx
+from workpool.store.postgres.migrations import MIGRATIONS
+from workpool.store.sql import SqlStore
+
+SCHEMA_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+OUR_PARAMS = ("schema", "pool_size")
+DEFAULT_POOL_SIZE = 20
+CONNECT_TIMEOUT_S = 10.0  # waiting for a pooled connection before "unavailable"
+TRANSIENT = (
+    pg_errors.SerializationFailure,
+    pg_errors.DeadlockDetected,
+    pg_errors.LockNotAvailable,
+    pg_errors.AdminShutdown,
+    pg_errors.CannotConnectNow,
+    psycopg.OperationalError,
+    psycopg_pool.PoolTimeout,
+)
+
+
+def split_url(url: str) -> tuple[str, dict[str, str]]:
+    """The conninfo for psycopg and workpool's own query parameters."""
+    parts = urlsplit(url)
+    scheme = "postgresql"
+    query = parse_qsl(parts.query)
+    ours = {k: v for k, v in query if k in OUR_PARAMS}
+    theirs = [(k, v) for k, v in query if k not in OUR_PARAMS]
+    return urlunsplit((scheme, parts.netloc, parts.path, urlencode(theirs), "")), ours
+
+
+class PostgresStore(SqlStore):
+    capabilities = Capabilities(notifications=True, skip_locked=True, change_polling=False)
+    param = "%s"
+    for_update = " FOR UPDATE"
+    skip_locked = " FOR UPDATE SKIP LOCKED"
+
+    def __init__(self, url: str, *, schema: str = "workpool") -> None:
+        super().__init__()
+        if not SCHEMA_RE.match(schema):
+            raise InvalidArgumentError(
+                f"schema {schema!r} is not valid: use 1-63 letters, digits or '_',"
+                " starting with a letter or '_'"
+            )
+        self.url = url
+        self.conninfo, ours = split_url(url)
+        self.schema = schema
+        self.table_prefix = f'"{schema}".'
+        self.channel = f"workpool_{schema}"[:63]
+        try:
+            self.pool_size = int(ours.get("pool_size", DEFAULT_POOL_SIZE))
+        except ValueError:
+            raise InvalidArgumentError(f"pool_size in {url!r} must be an int") from None
+        self._conn_pool: psycopg_pool.ConnectionPool | None = None
+        self._conn_pool_lock = threading.Lock()
+        self._listener: psycopg.Connection[Any] | None = None
+        self._migrated = False
+
+    # --- connections --------------------------------------------------------------------
+    def _connections(self) -> psycopg_pool.ConnectionPool:
+        if self._conn_pool is None:
+            with self._conn_pool_lock:
+                if self._conn_pool is None:
+                    self._conn_pool = psycopg_pool.ConnectionPool(
+                        self.conninfo,
+                        min_size=1,
+                        max_size=self.pool_size,
+                        kwargs={"autocommit": True},
+                        timeout=CONNECT_TIMEOUT_S,
+                        open=True,
+                        name=f"workpool-{self.schema}",
+                    )
+        return self._conn_pool
+
+    def _begin(self, readonly: bool) -> tuple[Any, Callable[[bool], None]]:
+        pool = self._connections()
+        conn = pool.getconn()
+        try:
+            conn.execute("BEGIN READ ONLY" if readonly else "BEGIN")
+        except BaseException:
+            pool.putconn(conn)
+            raise
+
+        def end(commit: bool) -> None:
+            try:
+                conn.execute("COMMIT" if commit else "ROLLBACK")
+            finally:
+                pool.putconn(conn)
+
+        return conn, end
+
+    def is_transient(self, exc: BaseException) -> bool:
+        return isinstance(exc, TRANSIENT)
+
+    def _translate(self, exc: BaseException) -> BaseException | None:
+        if isinstance(exc, psycopg_pool.PoolTimeout | psycopg.OperationalError):
+            return StoreUnavailableError(f"PostgreSQL at {self._where()} is unavailable: {exc}")
+        return None
+
+    def _where(self) -> str:
+        parts = urlsplit(self.conninfo)
+        return f"{parts.hostname or 'localhost'}:{parts.port or 5432}{parts.path}"
+
+    def _backoff_sleep(self, attempt: int) -> None:
+        time.sleep(min(0.005 * 2**attempt, 2.0) * (0.5 + random.random()))
+
+    def migrate(self) -> None:
+        if self._migrated:
+            return
+        with self.transaction() as tx:
+            # Many processes may start at once: one migrates, the others wait here.
+            tx.execute(
+                "SELECT pg_advisory_xact_lock(hashtext('workpool.migrate'), hashtext(%s))",
+                (self.schema,),
+            )
+            tx.execute(f'CREATE SCHEMA IF NOT EXISTS "{self.schema}"')
+            tx.execute(
+                f"CREATE TABLE IF NOT EXISTS {self.table_prefix}schema_version"
+                " (version integer NOT NULL)"
+            )
+            row = tx.execute(
+                f"SELECT max(version) FROM {self.table_prefix}schema_version"
+            ).fetchone()
+            version = int(row[0] or 0)
+            for number, script in enumerate(MIGRATIONS[version:], start=version + 1):
+                tx.execute(script.replace("{s}", self.table_prefix))
+                tx.execute(f"INSERT INTO {self.table_prefix}schema_version VALUES (%s)", (number,))
+        self._migrated = True
+
+    def close(self) -> None:
+        with self._conn_pool_lock:
+            if self._conn_pool is not None:
+                self._conn_pool.close()
+                self._conn_pool = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+    def adopt(self, connection: Any) -> Tx | None:
+        if isinstance(connection, psycopg.Connection):
+            return Tx(connection, self)
+        return None
+
+    # --- notifications ------------------------------------------------------------------
+    def notify(self, tx: Tx, pools: Sequence[str]) -> None:
+        for pool in pools:
+            tx.execute("SELECT pg_notify(%s, %s)", (self.channel, pool))
+
+    def wait_for_change(self, timeout: float) -> bool:
+        if self._listener is None or self._listener.closed:
+            self._listener = psycopg.connect(self.conninfo, autocommit=True)
+            self._listener.execute(f'LISTEN "{self.channel}"')
+            return True  # (re)connected: anything may have happened meanwhile
+        try:
+            for _ in self._listener.notifies(timeout=timeout, stop_after=1):
+                return True
+        except psycopg.Error:
+            self._listener.close()
+            raise
+        return False
+
+    # --- dialect hooks ------------------------------------------------------------------
+    def _lock_pool(self, tx: Tx, pool: str) -> None:
+        # Serialises claimers of one pool (not completers): see docs/design.md.
+        tx.execute("SELECT pg_advisory_xact_lock(hashtext(%s), hashtext(%s))", (self.schema, pool))
+
+    def _executemany(self, tx: Tx, sql: str, rows: list[tuple[Any, ...]]) -> None:
+        with tx.connection.cursor() as cur:
+            cur.executemany(sql, rows)
