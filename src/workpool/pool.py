@@ -29,8 +29,8 @@ from workpool.core.validation import (
 )
 from workpool.observability import events
 from workpool.observability.stats import PoolStats, pool_stats
-from workpool.runtime.completion import Tally
-from workpool.store.base import ActiveWork, FnKind, NewWork, PoolConfig, StatusRow, Tx
+from workpool.runtime.completion import Changes
+from workpool.store.base import FnKind, NewWork, PoolConfig, StatusRow, Tx
 
 if TYPE_CHECKING:
     from workpool.app import App
@@ -428,14 +428,13 @@ class Pool:
 
     def _cancel(self, tx: Tx, ids: Sequence[str]) -> int:
         store = self.app.store
-        tally = Tally()
+        changes = Changes()
         now = self.app.clock()
         changed = 0
-        for work_id in ids:
-            work: ActiveWork | None = store.load_for_update(tx, work_id)
-            if work is not None and work.pool == self.name:
-                changed += self.app.completion.cancel(tx, work, now, tally)
-        tally.flush(store, tx, CLIENT_ID, now)
+        for work in store.load_many_for_update(tx, ids).values():
+            if work.pool == self.name:
+                changed += self.app.completion.cancel(tx, work, now, changes)
+        changes.flush(store, tx, CLIENT_ID, now)
         if changed:
             store.notify(tx, [self.name])
         return changed

@@ -1,8 +1,10 @@
 """Finishing work: record an attempt's outcome, run on_complete, cancel, rescue lost work.
 
 Every function here runs inside a store write transaction that the caller
-owns, on a row the caller read with ``load_for_update`` (or a locked batch
-read), so the compare-and-set in the store makes stale calls do nothing.
+owns, on rows the caller read under lock in that transaction (SQLite: the
+write lock; PostgreSQL: ``FOR UPDATE``). Their state and attempt were checked
+then, so the writes can be gathered in ``Changes`` and applied in a few
+batched statements at the end; the store still writes them as compare-and-sets.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from workpool.core.errors import describe_error
 from workpool.core.results import Canceled, Failed, Result, result_from_json, result_to_json
 from workpool.observability import events
 from workpool.runtime.registry import Registry
-from workpool.store.base import ActiveWork, Counters, Store, Tx
+from workpool.store.base import ActiveWork, Counters, Finishing, Handing, Retrying, Store, Tx
 
 # A mutation or query whose worker vanished never committed and runs again; after
 # this many lost runs in a row it is failed, so one poisoned item cannot loop forever.
@@ -27,19 +29,34 @@ WORKER_LOST = "worker lost"
 
 
 @dataclass
-class Tally:
-    """Counters gathered inside one transaction, written with it (per pool, per worker)."""
+class Changes:
+    """State changes and counters gathered in one transaction, written at its end."""
 
-    by_pool: dict[str, Counters] = field(default_factory=dict)
+    finished: list[Finishing] = field(default_factory=list)
+    retried: list[Retrying] = field(default_factory=list)
+    handed: list[Handing] = field(default_factory=list)
+    counters: dict[str, Counters] = field(default_factory=dict)
+    touched: set[str] = field(default_factory=set)
 
-    def add(self, pool: str, counters: Counters) -> None:
-        self.by_pool[pool] = self.by_pool.get(pool, Counters()) + counters
+    def claim(self, work: ActiveWork) -> bool:
+        """True the first time ``work`` is changed in this transaction."""
+        if work.id in self.touched:
+            return False
+        self.touched.add(work.id)
+        return True
+
+    def count(self, pool: str, counters: Counters) -> None:
+        self.counters[pool] = self.counters.get(pool, Counters()) + counters
 
     def flush(self, store: Store, tx: Tx, worker_id: str, now: float) -> None:
+        store.finish_many(tx, self.finished, now)
+        store.retry_many(tx, self.retried)
+        store.hand_many(tx, self.handed)
         bucket = int(now // 60)
-        for pool, counters in self.by_pool.items():
+        for pool, counters in self.counters.items():
             store.add_counters(tx, pool, worker_id, bucket, counters)
-        self.by_pool.clear()
+        self.finished, self.retried, self.handed = [], [], []
+        self.counters, self.touched = {}, set()
 
 
 def _counted(result: Result) -> Counters:
@@ -71,11 +88,11 @@ class Completion:
         work: ActiveWork,
         outcome: AttemptOutcome,
         now: float,
-        tally: Tally,
+        changes: Changes,
         duration: float | None = None,
     ) -> bool:
         """Record the end of ``work``'s current attempt; False if it was stale."""
-        if work.state != "running":
+        if work.state != "running" or not changes.claim(work):
             return False
         decision = decide(
             outcome,
@@ -88,41 +105,33 @@ class Completion:
         level = self.pool_level(work.pool)
         if work.started_at is not None:
             lag = max(work.started_at - work.due_at, 0.0)
-            tally.add(work.pool, Counters(lag_count=1, lag_sum=lag, lag_max=lag))
+            changes.count(work.pool, Counters(lag_count=1, lag_sum=lag, lag_max=lag))
         match decision:
             case RetryAt(due_at, error):
-                if not self.store.retry(tx, work, due_at, error):
-                    return False
-                tally.add(work.pool, Counters(completed=1, retries=1))
-                events.completed(
-                    level,
-                    pool=work.pool,
-                    work_id=work.id,
-                    fn_name=work.fn_name,
-                    status="retrying",
-                    attempts=work.attempt,
-                    duration=duration,
-                    error=error,
-                )
-                return True
+                changes.retried.append(Retrying(work, due_at, error))
+                changes.count(work.pool, Counters(completed=1, retries=1))
+                status = "retrying"
+                error_text: str | None = error
             case Finish(result):
-                if not self.finish(tx, work, result, now):
-                    return False
-                tally.add(work.pool, _counted(result))
-                events.completed(
-                    level,
-                    pool=work.pool,
-                    work_id=work.id,
-                    fn_name=work.fn_name,
-                    status=result.kind,
-                    attempts=work.attempt,
-                    duration=duration,
-                    error=result.error if isinstance(result, Failed) else None,
-                )
-                return True
-        return False
+                self._finish(tx, work, result, now, changes)
+                changes.count(work.pool, _counted(result))
+                status = result.kind
+                error_text = result.error if isinstance(result, Failed) else None
+        events.completed(
+            level,
+            pool=work.pool,
+            work_id=work.id,
+            fn_name=work.fn_name,
+            status=status,
+            attempts=work.attempt,
+            duration=duration,
+            error=error_text,
+        )
+        return True
 
-    def finish(self, tx: Tx, work: ActiveWork, result: Result, now: float) -> bool:
+    def _finish(
+        self, tx: Tx, work: ActiveWork, result: Result, now: float, changes: Changes
+    ) -> None:
         """Run on_complete (if any) and record ``work`` finished with ``result``.
 
         A raising handler rolls back to its savepoint and hands the work to a
@@ -130,10 +139,12 @@ class Completion:
         """
         result_json = result_to_json(result)
         if work.on_complete is None:
-            return self.store.finish(tx, work, result_json, now)
+            changes.finished.append(Finishing(work, result_json))
+            return
         error = self._run_handler(tx, work, result)
         if error is None:
-            return self.store.finish(tx, work, result_json, now)
+            changes.finished.append(Finishing(work, result_json))
+            return
         failures = work.handler_failures + 1
         final = failures >= HANDLER_RETRY.max_attempts
         events.handler_failed(
@@ -147,9 +158,10 @@ class Completion:
             final=final,
         )
         if final:
-            return self.store.finish(tx, work, result_json, now, handler_error=error[0])
+            changes.finished.append(Finishing(work, result_json, handler_error=error[0]))
+            return
         due_at = now + HANDLER_RETRY.delay(failures, self.rand())
-        return self.store.hand_to_handler(tx, work, result_json, due_at, failures, error[0])
+        changes.handed.append(Handing(work, result_json, due_at, failures, error[0]))
 
     def _run_handler(self, tx: Tx, work: ActiveWork, result: Result) -> tuple[str, str] | None:
         """Call on_complete in a savepoint; the error and traceback if it raised."""
@@ -163,20 +175,23 @@ class Completion:
             with self.store.savepoint(tx):
                 spec.fn(tx, work_id=work.id, context=context, result=result)
         except Exception as exc:
+            if self.store.is_transient(exc):
+                raise  # the whole transaction is retried
             return describe_error(exc), traceback.format_exc()
         return None
 
-    def retry_handler(self, tx: Tx, work: ActiveWork, now: float) -> bool:
+    def retry_handler(self, tx: Tx, work: ActiveWork, now: float, changes: Changes) -> bool:
         """A later try of the on_complete of ``completing`` work."""
-        if work.state != "completing" or work.result is None:
+        if work.state != "completing" or work.result is None or not changes.claim(work):
             return False
-        return self.finish(tx, work, result_from_json(work.result), now)
+        self._finish(tx, work, result_from_json(work.result), now, changes)
+        return True
 
-    def cancel(self, tx: Tx, work: ActiveWork, now: float, tally: Tally) -> bool:
+    def cancel(self, tx: Tx, work: ActiveWork, now: float, changes: Changes) -> bool:
         """Cancel: pending work never starts; running work is not retried."""
         match work.state:
-            case "pending":
-                tally.add(work.pool, _counted(Canceled()))
+            case "pending" if changes.claim(work):
+                changes.count(work.pool, _counted(Canceled()))
                 events.completed(
                     self.pool_level(work.pool),
                     pool=work.pool,
@@ -186,17 +201,18 @@ class Completion:
                     attempts=work.attempt,
                     duration=None,
                 )
+                result = result_to_json(Canceled())
                 if work.on_complete is None:
-                    return self.store.finish(tx, work, result_to_json(Canceled()), now)
-                # The handler runs in a worker, which has it registered; the caller may not.
-                return self.store.hand_to_handler(
-                    tx, work, result_to_json(Canceled()), now, 0, "canceled"
-                )
+                    changes.finished.append(Finishing(work, result))
+                else:
+                    # The handler runs in a worker, which has it registered; the caller may not.
+                    changes.handed.append(Handing(work, result, now, 0, "canceled"))
+                return True
             case "running" if not work.cancel_requested:
                 return self.store.flag_cancel(tx, work)
         return False
 
-    def rescue(self, tx: Tx, work: ActiveWork, now: float, tally: Tally) -> bool:
+    def rescue(self, tx: Tx, work: ActiveWork, now: float, changes: Changes) -> bool:
         """Work whose worker vanished: a failed attempt (actions) or a re-run (mutations)."""
         events.worker_event(
             "work_lost",
@@ -208,16 +224,17 @@ class Completion:
             worker_id=work.worker_id,
         )
         if work.kind == "action":
-            return self.complete(tx, work, Raised(WORKER_LOST), now, tally)
+            return self.complete(tx, work, Raised(WORKER_LOST), now, changes)
         if work.cancel_requested:  # the lost run never committed: nothing ran
-            tally.add(work.pool, _counted(Canceled()))
-            return self.finish(tx, work, Canceled(), now)
+            if not changes.claim(work):
+                return False
+            changes.count(work.pool, _counted(Canceled()))
+            self._finish(tx, work, Canceled(), now, changes)
+            return True
         if work.lost_count + 1 < MAX_LOST_RUNS:
-            return self.store.retry(tx, work, now, WORKER_LOST, lost=True)
-        return self.complete(
-            tx,
-            work,
-            Raised(f"{WORKER_LOST} {work.lost_count + 1} times", retryable=False),
-            now,
-            tally,
-        )
+            if not changes.claim(work):
+                return False
+            changes.retried.append(Retrying(work, now, WORKER_LOST, lost=True))
+            return True
+        lost = Raised(f"{WORKER_LOST} {work.lost_count + 1} times", retryable=False)
+        return self.complete(tx, work, lost, now, changes)

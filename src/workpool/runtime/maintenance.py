@@ -6,12 +6,13 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from workpool.core.errors import describe_error
 from workpool.observability import events
 from workpool.observability.stats import pool_stats
-from workpool.runtime.completion import Tally
+from workpool.runtime.completion import Changes
 from workpool.store.base import Tx
 
 if TYPE_CHECKING:
@@ -82,8 +83,8 @@ class Maintenance:
     def rescue(self, pools: list[str], now: float) -> int:
         """Finish or retry attempts whose worker's lease expired."""
         return self._batches(
-            lambda tx, tally: [
-                self.worker.completion.rescue(tx, work, now, tally)
+            lambda tx, changes: [
+                self.worker.completion.rescue(tx, work, now, changes)
                 for work in self.store.lost_work(tx, pools, now, BATCH)
             ],
             now,
@@ -91,21 +92,22 @@ class Maintenance:
 
     def retry_handlers(self, pools: list[str], now: float) -> int:
         return self._batches(
-            lambda tx, tally: [
-                self.worker.completion.retry_handler(tx, work, now)
+            lambda tx, changes: [
+                self.worker.completion.retry_handler(tx, work, now, changes)
                 for work in self.store.due_handlers(tx, pools, now, BATCH)
             ],
             now,
         )
 
-    def _batches(self, step: object, now: float) -> int:
+    def _batches(self, step: Callable[[Tx, Changes], list[bool]], now: float) -> int:
+        """Repeat ``step`` in bounded transactions until it handles a short batch."""
         total = 0
         while not self._stop.is_set():
 
             def body(tx: Tx) -> int:
-                tally = Tally()
-                done = step(tx, tally)  # type: ignore[operator]
-                tally.flush(self.store, tx, self.worker.info.id, now)
+                changes = Changes()
+                done = step(tx, changes)
+                changes.flush(self.store, tx, self.worker.info.id, now)
                 return len(done)
 
             count = self.store.run(body)

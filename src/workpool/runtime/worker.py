@@ -22,13 +22,14 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from types import FrameType
 from typing import Any
 
 from workpool.core.decide import AttemptOutcome, Raised, Succeeded
 from workpool.core.errors import describe_error, is_non_retryable
 from workpool.observability import events
-from workpool.runtime.completion import Completion, Tally
+from workpool.runtime.completion import Changes, Completion
 from workpool.runtime.context import RunInfo, reset_current, set_current
 from workpool.runtime.executor import Executor
 from workpool.runtime.maintenance import Maintenance
@@ -315,10 +316,11 @@ class Worker:
                 outcome = Raised(describe_error(exc), retryable=False)
             finally:
                 reset_current(token)
-            tally = Tally()
+            changes = Changes()
             now = self.clock()
-            self.completion.complete(tx, current, outcome, now, tally, time.monotonic() - started)
-            tally.flush(self.store, tx, self.info.id, now)
+            duration = time.monotonic() - started
+            self.completion.complete(tx, current, outcome, now, changes, duration)
+            changes.flush(self.store, tx, self.info.id, now)
 
         try:
             self.store.run(body)
@@ -380,34 +382,20 @@ class Worker:
             self.wake.set()
 
     def _record(self, batch: list[tuple[ClaimedWork, AttemptOutcome, float]]) -> None:
-        def body(tx: Tx) -> None:
-            now = self.clock()
-            tally = Tally()
-            for work, outcome, duration in batch:
-                current = self.store.load_for_update(tx, work.id)
-                if current is None or current.state != "running" or current.attempt != work.attempt:
-                    continue  # stale completion: fenced by attempt number
-                try:
-                    with self.store.savepoint(tx):
-                        self.completion.complete(tx, current, outcome, now, tally, duration)
-                except Exception as exc:
-                    if self.store.is_transient(exc):
-                        raise
-                    # One bad item must not block the batch: record it failed instead.
-                    fallback = Raised(
-                        f"could not record the result: {describe_error(exc)}", retryable=False
-                    )
-                    self.completion.complete(tx, current, fallback, now, tally, duration)
-            tally.flush(self.store, tx, self.info.id, now)
-
+        """Record a batch of outcomes in one transaction; on a non-transient error,
+        one transaction per item, so a single bad item cannot block the others."""
         delay = 0.05
         while True:
             try:
-                self.store.run(body)
+                self.store.run(partial(self._record_in, batch=batch))
                 return
             except Exception as exc:
                 if self.force.is_set():
                     return  # leaving now: lease expiry hands these to a rescuer
+                if len(batch) > 1 and not self.store.is_transient(exc):
+                    for item in batch:
+                        self._record([item])
+                    return
                 events.worker_event(
                     "complete_failed",
                     40,
@@ -415,8 +403,23 @@ class Worker:
                     error=describe_error(exc),
                     retry_in=delay,
                 )
+                if len(batch) == 1 and not self.store.is_transient(exc):
+                    work, _, duration = batch[0]
+                    reason = f"could not record the result: {describe_error(exc)}"
+                    batch = [(work, Raised(reason, retryable=False), duration)]
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
+
+    def _record_in(self, tx: Tx, *, batch: list[tuple[ClaimedWork, AttemptOutcome, float]]) -> None:
+        now = self.clock()
+        changes = Changes()
+        rows = self.store.load_many_for_update(tx, [work.id for work, _, _ in batch])
+        for work, outcome, duration in batch:
+            current = rows.get(work.id)
+            if current is None or current.state != "running" or current.attempt != work.attempt:
+                continue  # stale completion: fenced by attempt number
+            self.completion.complete(tx, current, outcome, now, changes, duration)
+        changes.flush(self.store, tx, self.info.id, now)
 
     # --- lifecycle --------------------------------------------------------------------------
     def _install_signals(self) -> Callable[[], None]:

@@ -99,6 +99,36 @@ class ActiveWork:
 
 
 @dataclass(frozen=True, slots=True)
+class Finishing:
+    """``work`` (locked, checked) becomes finished with ``result`` (JSON)."""
+
+    work: ActiveWork
+    result: str
+    handler_error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Retrying:
+    """``work`` (running, locked) goes back to pending until ``due_at``."""
+
+    work: ActiveWork
+    due_at: float
+    error: str
+    lost: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Handing:
+    """``work`` becomes completing: its on_complete is (re)tried at ``due_at``."""
+
+    work: ActiveWork
+    result: str
+    due_at: float
+    failures: int
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
 class FinishedRow:
     id: str
     pool: str
@@ -238,22 +268,20 @@ class Store(abc.ABC):
         """The active row, locked against concurrent completers until ``tx`` ends."""
 
     @abc.abstractmethod
-    def retry(
-        self, tx: Tx, work: ActiveWork, due_at: float, error: str, *, lost: bool = False
-    ) -> bool:
-        """running -> pending at ``due_at`` (CAS on attempt)."""
+    def finish_many(self, tx: Tx, items: Sequence[Finishing], now: float) -> None:
+        """running|completing|pending -> finished: delete the work row, insert the result."""
 
     @abc.abstractmethod
-    def finish(
-        self, tx: Tx, work: ActiveWork, result: str, now: float, handler_error: str | None = None
-    ) -> bool:
-        """running|completing|pending -> finished (CAS on state and attempt)."""
+    def retry_many(self, tx: Tx, items: Sequence[Retrying]) -> None:
+        """running -> pending at each item's due time (CAS on attempt)."""
 
     @abc.abstractmethod
-    def hand_to_handler(
-        self, tx: Tx, work: ActiveWork, result: str, due_at: float, failures: int, error: str
-    ) -> bool:
-        """running|pending|completing -> completing: on_complete is (re)tried at ``due_at``."""
+    def hand_many(self, tx: Tx, items: Sequence[Handing]) -> None:
+        """running|pending|completing -> completing (CAS on state and attempt)."""
+
+    @abc.abstractmethod
+    def load_many_for_update(self, tx: Tx, ids: Sequence[str]) -> dict[str, ActiveWork]:
+        """Active rows by id, locked against concurrent completers until ``tx`` ends."""
 
     @abc.abstractmethod
     def due_handlers(

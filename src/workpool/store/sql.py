@@ -16,9 +16,12 @@ from workpool.store.base import (
     ClaimedWork,
     Counters,
     FinishedRow,
+    Finishing,
+    Handing,
     NewWork,
     PoolConfig,
     PoolCounts,
+    Retrying,
     StatusRow,
     Store,
     T,
@@ -320,55 +323,79 @@ class SqlStore(Store):
         ).fetchone()
         return None if row is None else _active(row)
 
-    def retry(
-        self, tx: Tx, work: ActiveWork, due_at: float, error: str, *, lost: bool = False
-    ) -> bool:
-        cur = self.q(
-            tx,
-            "UPDATE {s}work SET state = 'pending', due_at = ?, last_error = ?, worker_id = NULL,"
-            " lost_count = lost_count + ? WHERE id = ? AND state = 'running' AND attempt = ?",
-            (due_at, error, int(lost), work.id, work.attempt),
-        )
-        return bool(cur.rowcount == 1)
+    def load_many_for_update(self, tx: Tx, ids: Sequence[str]) -> dict[str, ActiveWork]:
+        found: dict[str, ActiveWork] = {}
+        # Sorted ids lock rows in one global order: completers cannot deadlock each other.
+        ordered = sorted(set(ids))
+        for chunk in self.iter_chunks(ordered, IN_CHUNK):
+            marks = ", ".join("?" * len(chunk))
+            rows = self.q(
+                tx,
+                f"SELECT {ACTIVE_COLUMNS} FROM {{s}}work WHERE id IN ({marks}) ORDER BY id"
+                + self.for_update,
+                chunk,
+            ).fetchall()
+            for row in rows:
+                found[row[0]] = _active(row)
+        return found
 
-    def finish(
-        self, tx: Tx, work: ActiveWork, result: str, now: float, handler_error: str | None = None
-    ) -> bool:
-        cur = self.q(
+    def finish_many(self, tx: Tx, items: Sequence[Finishing], now: float) -> None:
+        if not items:
+            return
+        self._executemany(
             tx,
-            "DELETE FROM {s}work WHERE id = ? AND state = ? AND attempt = ?",
-            (work.id, work.state, work.attempt),
+            self._sql("DELETE FROM {s}work WHERE id = ? AND state = ? AND attempt = ?"),
+            [(f.work.id, f.work.state, f.work.attempt) for f in items],
         )
-        if cur.rowcount != 1:
-            return False
-        self.q(
+        self._executemany(
             tx,
-            "INSERT INTO {s}finished (id, pool, fn_name, result, attempts, enqueued_at,"
-            " finished_at, handler_error) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            (
-                work.id,
-                work.pool,
-                work.fn_name,
-                result,
-                work.attempt,
-                work.enqueued_at,
-                now,
-                handler_error,
+            self._sql(
+                "INSERT INTO {s}finished (id, pool, fn_name, result, attempts, enqueued_at,"
+                " finished_at, handler_error) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
             ),
+            [
+                (
+                    f.work.id,
+                    f.work.pool,
+                    f.work.fn_name,
+                    f.result,
+                    f.work.attempt,
+                    f.work.enqueued_at,
+                    now,
+                    f.handler_error,
+                )
+                for f in items
+            ],
         )
-        return True
 
-    def hand_to_handler(
-        self, tx: Tx, work: ActiveWork, result: str, due_at: float, failures: int, error: str
-    ) -> bool:
-        cur = self.q(
+    def retry_many(self, tx: Tx, items: Sequence[Retrying]) -> None:
+        if not items:
+            return
+        self._executemany(
             tx,
-            "UPDATE {s}work SET state = 'completing', result = ?, due_at = ?,"
-            " handler_failures = ?, last_error = ?, worker_id = NULL"
-            " WHERE id = ? AND state = ? AND attempt = ?",
-            (result, due_at, failures, error, work.id, work.state, work.attempt),
+            self._sql(
+                "UPDATE {s}work SET state = 'pending', due_at = ?, last_error = ?,"
+                " worker_id = NULL, lost_count = lost_count + ?"
+                " WHERE id = ? AND state = 'running' AND attempt = ?"
+            ),
+            [(r.due_at, r.error, int(r.lost), r.work.id, r.work.attempt) for r in items],
         )
-        return bool(cur.rowcount == 1)
+
+    def hand_many(self, tx: Tx, items: Sequence[Handing]) -> None:
+        if not items:
+            return
+        self._executemany(
+            tx,
+            self._sql(
+                "UPDATE {s}work SET state = 'completing', result = ?, due_at = ?,"
+                " handler_failures = ?, last_error = ?, worker_id = NULL"
+                " WHERE id = ? AND state = ? AND attempt = ?"
+            ),
+            [
+                (h.result, h.due_at, h.failures, h.error, h.work.id, h.work.state, h.work.attempt)
+                for h in items
+            ],
+        )
 
     def due_handlers(
         self, tx: Tx, pools: Sequence[str], now: float, limit: int

@@ -1,0 +1,174 @@
+"""The ``workpool`` command: ``worker``, ``status`` and ``demo``.
+
+Errors users can fix are one line on stderr, never a traceback: a bad APP exits
+with 2 (like click's own usage errors), a WorkpoolError from the library with 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import click
+
+from workpool import __version__
+from workpool.cli.loading import CliError, load_app
+from workpool.core.errors import WorkpoolError
+
+STATUS_WINDOW_S = 3600.0  # `status` shows completions over the last hour
+
+APP_HELP = "APP is 'module:attribute' naming a workpool.App, imported from the current directory."
+
+
+class _Group(click.Group):
+    """Turns library errors raised by any command into one-line messages (exit 1)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except WorkpoolError as exc:
+            message = " ".join(str(exc).split()) or type(exc).__name__
+            raise CliError(message) from None
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "-V", "--version", prog_name="workpool")
+def main() -> None:
+    """workpool: a durable work pool on SQLite or PostgreSQL.
+
+    The database URL comes from the App (default: $WORKPOOL_DATABASE_URL, else
+    sqlite:///workpool.db). Try `workpool demo` to see it run.
+    """
+
+
+@main.command(epilog=APP_HELP)
+@click.argument("app_spec", metavar="APP")
+@click.option(
+    "--pool",
+    "pools",
+    multiple=True,
+    metavar="NAME",
+    help="Serve only this pool (repeat for several). Default: every pool.",
+)
+@click.option(
+    "--concurrency",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Attempts run at once by this process (default 10).",
+)
+@click.option(
+    "--until-idle", is_flag=True, help="Exit once the served pools hold no pending or running work."
+)
+@click.option(
+    "--lease",
+    type=click.FloatRange(min=0.1),
+    default=15.0,
+    show_default=True,
+    help="Seconds without a heartbeat after which this worker counts as lost.",
+)
+@click.option(
+    "--shutdown-grace",
+    type=click.FloatRange(min=0.0),
+    default=30.0,
+    show_default=True,
+    help="Seconds running work may take to finish after SIGTERM/SIGINT.",
+)
+def worker(
+    app_spec: str,
+    pools: tuple[str, ...],
+    concurrency: int | None,
+    until_idle: bool,
+    lease: float,
+    shutdown_grace: float,
+) -> None:
+    """Run the functions of APP's pools until stopped (SIGTERM/SIGINT) or idle.
+
+    Start as many workers as you like, on one machine or many: the pools'
+    parallelism limits hold across all of them.
+    """
+    app = load_app(app_spec)
+    try:
+        app.run_worker(
+            pools=list(pools) or None,
+            concurrency=concurrency,
+            until_idle=until_idle,
+            lease=lease,
+            shutdown_grace=shutdown_grace,
+        )
+    finally:
+        app.close()
+
+
+@main.command(epilog=APP_HELP)
+@click.argument("app_spec", metavar="APP")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print the numbers of every pool as a JSON list instead of a table.",
+)
+def status(app_spec: str, as_json: bool) -> None:
+    """Show every pool of APP's database: limit, running, backlog, failure rate."""
+    from workpool.cli.status_view import status_table
+
+    app = load_app(app_spec)
+    try:
+        stats = [pool.stats(window=STATUS_WINDOW_S) for pool in app.pools()]
+    finally:
+        app.close()
+    if as_json:
+        click.echo(json.dumps([s.to_dict() for s in stats], indent=2))
+        return
+    from rich.console import Console
+
+    console = Console()
+    if not stats:
+        console.print(f"no pools yet in {app.url}")
+        return
+    console.print(status_table(stats, title=app.url))
+
+
+def _fresh_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None and os.path.exists(value):
+        raise click.BadParameter(
+            f"{value!r} exists; the demo needs a new file (it will not touch an existing database)",
+            ctx,
+            param,
+        )
+    return value
+
+
+@main.command()
+@click.option(
+    "--db",
+    "db_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    callback=_fresh_file,
+    help="SQLite file to create (must not exist). Default: a temporary file.",
+)
+@click.option(
+    "--items",
+    type=click.IntRange(min=1, max=1_000_000),
+    default=2000,
+    show_default=True,
+    help="How many emails to send.",
+)
+@click.option(
+    "--seconds-limit",
+    type=click.FloatRange(min=0.1, min_open=False),
+    default=None,
+    help="Stop the workers after this many seconds even if work is left.",
+)
+def demo(db_path: str | None, items: int, seconds_limit: float | None) -> None:
+    """Send flaky emails through two limited pools and watch it live.
+
+    Shows the global parallelism limits, retries with backoff, cancelation and
+    exactly-once on_complete handlers, then checks them. Takes a few seconds.
+    """
+    from workpool.cli.demo import run_demo
+
+    ok = run_demo(db_path=db_path, items=items, seconds_limit=seconds_limit)
+    if not ok:
+        raise click.exceptions.Exit(1)
