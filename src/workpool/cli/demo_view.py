@@ -38,7 +38,8 @@ def live_table(stats: Sequence[PoolStats], gauges: Mapping[str, Gauge], elapsed:
         caption="running: now / limit;  backoff: failed attempts waiting to retry",
         caption_justify="left",
         box=box.SIMPLE_HEAD,
-        pad_edge=False,
+        show_edge=False,
+        collapse_padding=True,
     )
     table.add_column("pool", style="bold")
     table.add_column("progress", width=BAR_WIDTH)
@@ -65,7 +66,13 @@ def live_table(stats: Sequence[PoolStats], gauges: Mapping[str, Gauge], elapsed:
 
 
 def summary_table(stats: Sequence[PoolStats], gauges: Mapping[str, Gauge]) -> Table:
-    table = Table(title="summary", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    table = Table(
+        title="summary",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        collapse_padding=True,
+    )
     table.add_column("pool", style="bold")
     table.add_column("limit", justify="right")
     table.add_column("succeeded", justify="right")

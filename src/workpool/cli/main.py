@@ -110,7 +110,7 @@ def worker(
 )
 def status(app_spec: str, as_json: bool) -> None:
     """Show every pool of APP's database: limit, running, backlog, failure rate."""
-    from workpool.cli.status_view import status_table
+    from workpool.cli.status_view import redact, status_table
 
     app = load_app(app_spec)
     try:
@@ -124,9 +124,9 @@ def status(app_spec: str, as_json: bool) -> None:
 
     console = Console()
     if not stats:
-        console.print(f"no pools yet in {app.url}")
+        console.print(f"no pools yet in {redact(app.url)}")
         return
-    console.print(status_table(stats, title=app.url))
+    console.print(status_table(stats, title=redact(app.url)))
 
 
 def _fresh_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from urllib.parse import urlsplit
 
+from rich import box
 from rich.table import Table
 
 from workpool.observability.stats import PoolStats
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for printing."""
+    password = urlsplit(url).password
+    return url.replace(f":{password}@", ":***@") if password else url
 
 
 def limit_text(stats: PoolStats) -> str:
@@ -21,14 +29,20 @@ def failure_text(stats: PoolStats) -> str:
 
 
 def status_table(stats: Sequence[PoolStats], title: str | None = None) -> Table:
-    table = Table(title=title, title_justify="left")
-    table.add_column("pool", style="bold")
+    table = Table(
+        title=title,
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        collapse_padding=True,
+    )
+    table.add_column("pool", style="bold", no_wrap=True)
     table.add_column("limit", justify="right")
     table.add_column("running", justify="right")
-    table.add_column("due backlog", justify="right")
-    table.add_column("scheduled later", justify="right")
+    table.add_column("due\nbacklog", justify="right")
+    table.add_column("scheduled\nlater", justify="right")
     table.add_column("finished", justify="right")
-    table.add_column("failure rate (1h)", justify="right")
+    table.add_column("failure rate\n(last hour)", justify="right", no_wrap=True)
     for s in stats:
         table.add_row(
             s.pool,

@@ -53,6 +53,21 @@ def check_name(name: object, what: str) -> str:
     return name
 
 
+FN_NAME_RE = re.compile(r"^[A-Za-z_<][A-Za-z0-9_.:<>\-]{0,199}$")
+
+
+def check_fn_name(name: object) -> str:
+    """Function names: identifiers joined by '.', ':' (qualnames like ``f.<locals>.g`` too)."""
+    if not isinstance(name, str):
+        raise InvalidTypeError(f"function name must be a str, got {type(name).__name__}")
+    if not FN_NAME_RE.match(name):
+        raise InvalidArgumentError(
+            f"function name {name!r:.80} is not valid: use 1-200 letters, digits,"
+            " '_', '.', ':', '<', '>' or '-'"
+        )
+    return name
+
+
 def _number(value: object, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidTypeError(f"{what} must be a number of seconds, got {value!r:.80}")

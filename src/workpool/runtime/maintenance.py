@@ -122,7 +122,12 @@ class Maintenance:
         store = self.store
         if store.run(lambda tx: store.take_turn(tx, pool, "report", now, REPORT_EVERY_S)):
             self.report(pool, now)
-        if store.run(lambda tx: store.take_turn(tx, pool, "prune", now, PRUNE_EVERY_S)):
+        config = self.worker.configs.get(pool)
+        # A short status_ttl is honoured promptly; a long one is pruned once a minute.
+        every = (
+            PRUNE_EVERY_S if config is None else min(PRUNE_EVERY_S, max(config.status_ttl / 2, 1.0))
+        )
+        if store.run(lambda tx: store.take_turn(tx, pool, "prune", now, every)):
             self.prune(pool, now)
 
     def report(self, pool: str, now: float) -> None:

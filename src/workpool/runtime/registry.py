@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from workpool.core.errors import InvalidArgumentError, InvalidTypeError, NotRegisteredError
-from workpool.core.validation import check_name
+from workpool.core.validation import check_fn_name
 from workpool.store.base import FnKind
 
 
@@ -28,7 +28,7 @@ class Registry:
     def register(self, fn: Callable[..., Any], kind: FnKind, name: str | None) -> FnSpec:
         if not callable(fn):
             raise InvalidTypeError(f"@app.{kind} needs a function, got {fn!r:.80}")
-        name = check_name(name if name is not None else fn.__qualname__, "function name")
+        name = check_fn_name(name if name is not None else fn.__qualname__)
         is_async = inspect.iscoroutinefunction(fn)
         if is_async and kind != "action":
             raise InvalidTypeError(
