@@ -23,7 +23,7 @@ class Check:
 
     def line(self) -> str:
         verdict = "[green]yes[/]" if self.passed else "[bold red]NO[/]"
-        return f"{self.name}: {verdict}  [dim]({self.detail})[/]"
+        return f"{self.name}: {verdict}  [dim]{self.detail}[/]"
 
 
 def enqueued(stats: PoolStats) -> int:

@@ -54,6 +54,7 @@ def main() -> None:
 @click.option(
     "--concurrency",
     type=click.IntRange(min=1),
+    metavar="N",
     default=None,
     help="Attempts run at once by this process (default 10).",
 )
@@ -63,6 +64,7 @@ def main() -> None:
 @click.option(
     "--lease",
     type=click.FloatRange(min=0.1),
+    metavar="SECONDS",
     default=15.0,
     show_default=True,
     help="Seconds without a heartbeat after which this worker counts as lost.",
@@ -70,6 +72,7 @@ def main() -> None:
 @click.option(
     "--shutdown-grace",
     type=click.FloatRange(min=0.0),
+    metavar="SECONDS",
     default=30.0,
     show_default=True,
     help="Seconds running work may take to finish after SIGTERM/SIGINT.",
@@ -82,7 +85,7 @@ def worker(
     lease: float,
     shutdown_grace: float,
 ) -> None:
-    """Run the functions of APP's pools until stopped (SIGTERM/SIGINT) or idle.
+    """Run APP's work until SIGTERM/SIGINT (or, with --until-idle, until idle).
 
     Start as many workers as you like, on one machine or many: the pools'
     parallelism limits hold across all of them.
@@ -109,7 +112,7 @@ def worker(
     help="Print the numbers of every pool as a JSON list instead of a table.",
 )
 def status(app_spec: str, as_json: bool) -> None:
-    """Show every pool of APP's database: limit, running, backlog, failure rate."""
+    """Show APP's pools: limit, running, backlog, failure rate."""
     from workpool.cli.status_view import redact, status_table
 
     app = load_app(app_spec)
@@ -151,13 +154,15 @@ def _fresh_file(ctx: click.Context, param: click.Parameter, value: str | None) -
 @click.option(
     "--items",
     type=click.IntRange(min=1, max=1_000_000),
+    metavar="N",
     default=2000,
     show_default=True,
     help="How many emails to send.",
 )
 @click.option(
     "--seconds-limit",
-    type=click.FloatRange(min=0.1, min_open=False),
+    type=click.FloatRange(min=0.1),
+    metavar="SECONDS",
     default=None,
     help="Stop the workers after this many seconds even if work is left.",
 )

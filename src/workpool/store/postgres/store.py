@@ -41,6 +41,8 @@ def split_url(url: str) -> tuple[str, dict[str, str]]:
     query = parse_qsl(parts.query)
     ours = {k: v for k, v in query if k in OUR_PARAMS}
     theirs = [(k, v) for k, v in query if k not in OUR_PARAMS]
+    if not any(k == "application_name" for k, _ in theirs):
+        theirs.append(("application_name", "workpool"))  # tells operators who is connected
     return urlunsplit((scheme, parts.netloc, parts.path, urlencode(theirs), "")), ours
 
 

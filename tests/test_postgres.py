@@ -1,0 +1,168 @@
+"""PostgreSQL only: the user's own connection, wake-ups, cut connections, migrations."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import psycopg
+import pytest
+from conftest import background_worker, pg_schema_of, run_until_idle, wait_for
+
+import workpool
+
+
+pytestmark = pytest.mark.parametrize("store_url", ["postgres"], indirect=True)
+
+
+@pytest.fixture
+def pg_url(store_url: str) -> str:
+    return store_url
+
+
+def _conninfo(url: str) -> str:
+    return url.split("?", 1)[0]
+
+
+@pytest.fixture
+def pg_app(pg_url: str) -> Any:
+    app = workpool.App(pg_url)
+    yield app
+    app.stop_workers()
+    app.close()
+
+
+def test_enqueue_with_the_users_own_connection_commits_and_rolls_back_with_it(
+    pg_app: Any, pg_url: str
+) -> None:
+    schema = pg_schema_of(pg_url)
+    ran: list[int] = []
+
+    @pg_app.action
+    def note(n: int) -> None:
+        ran.append(n)
+
+    pool = pg_app.pool("own")
+    pool.stats()  # creates the schema
+    with psycopg.connect(_conninfo(pg_url)) as conn:
+        conn.execute(f'CREATE TABLE "{schema}".orders (n int)')
+        conn.execute(f'INSERT INTO "{schema}".orders VALUES (1)')
+        kept = pool.enqueue_action(note, {"n": 1}, tx=conn)
+        assert pool.status(kept, tx=conn).state == "pending"
+        conn.commit()
+        conn.execute(f'INSERT INTO "{schema}".orders VALUES (2)')
+        dropped = pool.enqueue_action(note, {"n": 2}, tx=conn)
+        conn.rollback()
+    assert pool.status(kept).state == "pending"
+    assert pool.status(dropped) == workpool.Finished(None)
+    run_until_idle(pg_app)
+    assert ran == [1]
+    with psycopg.connect(_conninfo(pg_url)) as conn:
+        rows = conn.execute(f'SELECT n FROM "{schema}".orders').fetchall()
+    assert rows == [(1,)]
+
+
+def test_cancel_with_the_users_connection(pg_app: Any, pg_url: str) -> None:
+    @pg_app.action
+    def never() -> None:
+        raise AssertionError("canceled work ran")
+
+    pool = pg_app.pool("own_cancel")
+    wid = pool.enqueue_action(never, {}, run_after=60)
+    with psycopg.connect(_conninfo(pg_url)) as conn:
+        assert pool.cancel(wid, tx=conn) is True
+        conn.rollback()
+    assert pool.status(wid).state == "pending"
+    with psycopg.connect(_conninfo(pg_url)) as conn:
+        assert pool.cancel(wid, tx=conn) is True
+    assert pool.status(wid) == workpool.Finished(workpool.Canceled())
+
+
+def test_idle_worker_is_woken_by_notification_not_the_fallback_poll(pg_app: Any) -> None:
+    started: list[float] = []
+
+    @pg_app.action
+    def mark() -> None:
+        started.append(time.time())
+
+    pool = pg_app.pool("wake")
+    pool.stats()
+    lags = []
+    with background_worker(pg_app):
+        time.sleep(0.3)  # the worker is idle, waiting on LISTEN
+        for i in range(5):
+            t0 = time.time()
+            pool.enqueue_action(mark, {})
+            wait_for(lambda i=i: len(started) > i, timeout=5)
+            lags.append(started[i] - t0)
+    # The fallback poll is 1 s; a notification wakes the worker far sooner.
+    assert sorted(lags)[2] < 0.5, lags
+
+
+def test_workers_survive_their_connections_being_killed(pg_app: Any, pg_url: str) -> None:
+    done: set[int] = set()
+    lock = threading.Lock()
+
+    @pg_app.action
+    def work(n: int) -> int:
+        time.sleep(0.005)
+        with lock:
+            done.add(n)
+        return n
+
+    @pg_app.mutation
+    def count(tx: Any, work_id: str, context: Any, result: Any) -> None:
+        schema = pg_schema_of(pg_url)
+        tx.execute(f'INSERT INTO "{schema}".completions VALUES (%s, %s)', (work_id, result.kind))
+
+    pool = pg_app.pool("cut", max_parallelism=8)
+    pool.stats()
+    schema = pg_schema_of(pg_url)
+    with pg_app.transaction() as tx:
+        tx.execute(f'CREATE TABLE "{schema}".completions (work_id text, kind text)')
+    ids = pool.enqueue_action_batch(work, [{"n": i} for i in range(400)], on_complete=count,
+                                    retry=True)
+    with background_worker(pg_app, concurrency=8, lease=3.0):
+        for mark in (50, 150, 250):
+            wait_for(lambda mark=mark: len(done) > mark, timeout=20)
+            with psycopg.connect(_conninfo(pg_url), autocommit=True) as admin:
+                admin.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                    " WHERE application_name = 'workpool' AND pid <> pg_backend_pid()"
+                )
+            time.sleep(0.2)
+        wait_for(lambda: all(s.state == "finished" for s in pool.status_batch(ids)),
+                 timeout=60)
+    statuses = pool.status_batch(ids)
+    assert all(isinstance(s.result, workpool.Success) for s in statuses), statuses[:3]
+    with pg_app.transaction() as tx:
+        rows = tx.execute(
+            f'SELECT count(*), count(DISTINCT work_id) FROM "{schema}".completions'
+        ).fetchone()
+    assert rows == (400, 400)  # on_complete exactly once each, despite the cuts
+
+
+def test_migrations_are_safe_when_many_processes_start_at_once(pg_url: str) -> None:
+    apps = [workpool.App(pg_url) for _ in range(6)]
+    errors: list[BaseException] = []
+
+    def start(app: Any) -> None:
+        try:
+            app.pool("m").stats()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(a,)) for a in apps]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for app in apps:
+        app.close()
+    assert errors == []
+
+
+def test_schema_names_are_validated(pg_url: str) -> None:
+    with pytest.raises(ValueError, match="schema"):
+        workpool.App("postgresql://postgres@127.0.0.1/test", schema='x"; DROP TABLE y; --')
