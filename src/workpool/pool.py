@@ -106,6 +106,13 @@ class Pool:
             return wanted
         return config
 
+    def _view(self, tx: Tx) -> PoolConfig:
+        """The config as it is or will be once this Pool's options apply; writes nothing."""
+        stored = self.app.store.load_pool(tx, self.name) or PoolConfig(self.name)
+        if self._applied:
+            return stored
+        return PoolConfig(**{**_fields(stored), **self._options})
+
     def _mark_applied(self) -> None:
         self._applied = True
 
@@ -136,9 +143,9 @@ class Pool:
         store = self.app.store
 
         def body(tx: Tx) -> PoolStats:
-            return pool_stats(store, tx, self._config(tx), self.app.clock(), window)
+            return pool_stats(store, tx, self._view(tx), self.app.clock(), window)
 
-        return self.app.run(body)
+        return self.app.run(body, readonly=True)
 
     # --- enqueue --------------------------------------------------------------------------
     def enqueue_action(

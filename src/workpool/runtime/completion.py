@@ -212,8 +212,15 @@ class Completion:
                 return self.store.flag_cancel(tx, work)
         return False
 
-    def rescue(self, tx: Tx, work: ActiveWork, now: float, changes: Changes) -> bool:
-        """Work whose worker vanished: a failed attempt (actions) or a re-run (mutations)."""
+    def rescue(
+        self, tx: Tx, work: ActiveWork, now: float, changes: Changes, *, never_ran: bool = False
+    ) -> bool:
+        """Work whose worker vanished: a failed attempt (actions) or a re-run (mutations).
+
+        ``never_ran``: a live worker found its own claim that it never started (the
+        claim committed but the connection died before the worker heard of it); that
+        attempt goes back to pending like a lost mutation, without counting as failed.
+        """
         events.worker_event(
             "work_lost",
             30,
@@ -222,8 +229,9 @@ class Completion:
             fn_name=work.fn_name,
             attempt=work.attempt,
             worker_id=work.worker_id,
+            never_ran=never_ran,
         )
-        if work.kind == "action":
+        if work.kind == "action" and not never_ran:
             return self.complete(tx, work, Raised(WORKER_LOST), now, changes)
         if work.cancel_requested:  # the lost run never committed: nothing ran
             if not changes.claim(work):

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 
 TICK_S = 0.1
 RESCUE_EVERY_S = 0.5
+ORPHANS_EVERY_S = 2.0
+ORPHAN_AGE_S = 2.0  # a claim this old that the worker does not know of is orphaned
 HANDLERS_EVERY_S = 0.1
 REPORT_EVERY_S = 60.0
 PRUNE_EVERY_S = 60.0
@@ -34,7 +36,13 @@ class Maintenance:
         self.worker = worker
         self.store = worker.store
         self._stop = threading.Event()
-        self._next = {"heartbeat": 0.0, "rescue": 0.0, "handlers": 0.0, "duties": 0.0}
+        self._next = {
+            "heartbeat": 0.0,
+            "rescue": 0.0,
+            "orphans": 0.0,
+            "handlers": 0.0,
+            "duties": 0.0,
+        }
 
     def stop(self) -> None:
         self._stop.set()
@@ -68,6 +76,8 @@ class Maintenance:
             return
         if self._due("rescue", now, RESCUE_EVERY_S):
             self.rescue(pools, now)
+        if self._due("orphans", now, ORPHANS_EVERY_S):
+            self.adopt_orphans(now)
         if self._due("handlers", now, HANDLERS_EVERY_S):
             self.retry_handlers(pools, now)
         if self._due("duties", now, 1.0):
@@ -89,6 +99,39 @@ class Maintenance:
             ],
             now,
         )
+
+    def adopt_orphans(self, now: float) -> int:
+        """Requeue running rows of this worker that it never started.
+
+        A claim whose commit succeeded while the connection died before the
+        reply leaves rows running under a live worker that does not know them;
+        no lease expiry would ever free them.
+        """
+        worker = self.worker
+        rows = self.store.run(lambda tx: self.store.running_of(tx, worker.info.id), readonly=True)
+        known = worker.inflight_keys()
+        orphans = [
+            wid
+            for wid, attempt, started in rows
+            if (wid, attempt) not in known and started < now - ORPHAN_AGE_S
+        ]
+        if not orphans:
+            return 0
+
+        def body(tx: Tx) -> int:
+            changes = Changes()
+            known_now = worker.inflight_keys()
+            count = 0
+            for work in self.store.load_many_for_update(tx, orphans).values():
+                if work.worker_id == worker.info.id and (work.id, work.attempt) not in known_now:
+                    count += worker.completion.rescue(tx, work, now, changes, never_ran=True)
+            changes.flush(self.store, tx, worker.info.id, now)
+            return count
+
+        adopted = self.store.run(body)
+        if adopted:
+            worker.wake.set()
+        return adopted
 
     def retry_handlers(self, pools: list[str], now: float) -> int:
         return self._batches(

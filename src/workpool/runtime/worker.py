@@ -85,7 +85,7 @@ class Worker:
         self._outcomes: queue.Queue[tuple[ClaimedWork, AttemptOutcome, float] | None] = (
             queue.Queue()
         )
-        self._unrecorded = 0  # outcomes queued or being written: not idle until 0
+        self._unrecorded: set[tuple[str, int]] = set()  # outcomes queued or being written
         self._rotation = itertools.count()
         self.executor: Executor | None = None
         self.maintenance = Maintenance(self)
@@ -339,13 +339,18 @@ class Worker:
             if entry is None or entry.reported:
                 return
             entry.reported = True
-            self._unrecorded += 1
+            self._unrecorded.add((work.id, work.attempt))
         self._outcomes.put((work, outcome, duration))
 
     def _release(self, work: ClaimedWork) -> None:
         with self._lock:
             self._inflight.pop((work.id, work.attempt), None)
         self.wake.set()
+
+    def inflight_keys(self) -> set[tuple[str, int]]:
+        """Attempts this worker is running or has outcomes of that are not yet recorded."""
+        with self._lock:
+            return set(self._inflight) | self._unrecorded
 
     def expire_timeouts(self) -> None:
         """Fail sync attempts past their timeout (their threads cannot be killed)."""
@@ -378,7 +383,7 @@ class Worker:
                 batch.append(item)
             self._record(batch)
             with self._lock:
-                self._unrecorded -= len(batch)
+                self._unrecorded.difference_update((w.id, w.attempt) for w, _, _ in batch)
             self.wake.set()
 
     def _record(self, batch: list[tuple[ClaimedWork, AttemptOutcome, float]]) -> None:

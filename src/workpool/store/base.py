@@ -294,6 +294,10 @@ class Store(abc.ABC):
         """Running work whose worker's lease expired, locked (others skip it)."""
 
     @abc.abstractmethod
+    def running_of(self, tx: Tx, worker_id: str) -> list[tuple[str, int, float]]:
+        """(id, attempt, started_at) of every running attempt claimed by ``worker_id``."""
+
+    @abc.abstractmethod
     def flag_cancel(self, tx: Tx, work: ActiveWork) -> bool:
         """Mark running work canceled: it finishes, but is not retried (CAS on attempt)."""
 

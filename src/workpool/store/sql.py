@@ -420,6 +420,14 @@ class SqlStore(Store):
         ).fetchall()
         return [_active(r) for r in rows]
 
+    def running_of(self, tx: Tx, worker_id: str) -> list[tuple[str, int, float]]:
+        rows = self.q(
+            tx,
+            "SELECT id, attempt, started_at FROM {s}work WHERE state = 'running' AND worker_id = ?",
+            (worker_id,),
+        ).fetchall()
+        return [(r[0], int(r[1]), float(r[2])) for r in rows]
+
     def flag_cancel(self, tx: Tx, work: ActiveWork) -> bool:
         cur = self.q(
             tx,

@@ -41,8 +41,11 @@ def split_url(url: str) -> tuple[str, dict[str, str]]:
     query = parse_qsl(parts.query)
     ours = {k: v for k, v in query if k in OUR_PARAMS}
     theirs = [(k, v) for k, v in query if k not in OUR_PARAMS]
-    if not any(k == "application_name" for k, _ in theirs):
+    given = {k for k, _ in theirs}
+    if "application_name" not in given:
         theirs.append(("application_name", "workpool"))  # tells operators who is connected
+    if "connect_timeout" not in given:
+        theirs.append(("connect_timeout", "5"))
     return urlunsplit((scheme, parts.netloc, parts.path, urlencode(theirs), "")), ours
 
 
