@@ -1,0 +1,374 @@
+"""PRODUCT.md §7 (status, retention), stats, ``workpool.current()``, timeouts, async twins."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+
+import pytest
+
+import workpool
+from workpool import RetryBehavior
+from conftest import Recorder, background_worker, run_until_idle, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_status_lifecycle_pending_running_finished(app, rec: Recorder):
+    started = threading.Event()
+    release = threading.Event()
+
+    @app.action(name="slow")
+    def slow() -> str:
+        started.set()
+        release.wait(20)
+        return "done"
+
+    pool = app.pool("status")
+    before = time.time()
+    wid = pool.enqueue_action(slow)
+    pending = pool.status(wid)
+    assert isinstance(pending, workpool.Pending)
+    assert pending.state == "pending"
+    assert pending.previous_attempts == 0
+    assert pending.reason == "due"
+    assert pending.last_error is None
+    try:
+        with background_worker(app):
+            assert started.wait(10)
+            running = pool.status(wid)
+            assert isinstance(running, workpool.Running)
+            assert running.state == "running"
+            assert running.previous_attempts == 0
+            assert running.attempt == 1
+            assert before - 1 <= running.started_at <= time.time() + 1
+            release.set()
+            done = wait_for(lambda: (s := pool.status(wid)).state == "finished" and s)
+    finally:
+        release.set()
+    assert isinstance(done, workpool.Finished)
+    assert done.result == workpool.Success("done")
+    assert done.on_complete_error is None
+
+
+def test_status_of_unknown_id_is_finished_none(app):
+    pool = app.pool("status")
+    status = pool.status(str(uuid.uuid4()))
+    assert status == workpool.Finished(None)
+    assert status.state == "finished"
+    assert status.result is None
+    # Not even a UUID: still "unknown", not a crash.
+    assert pool.status("no-such-work").result is None
+
+
+def test_status_batch_keeps_order(app, rec: Recorder):
+    @app.action(name="job")
+    def job(i: int) -> int:
+        return i
+
+    pool = app.pool("status")
+    done = pool.enqueue_action_batch(job, [{"i": 0}, {"i": 1}])
+    run_until_idle(app)
+    later = pool.enqueue_action(job, {"i": 2}, run_after=60)
+    unknown = str(uuid.uuid4())
+    ids = [later, done[1], unknown, done[0], later]
+    statuses = pool.status_batch(ids)
+    assert len(statuses) == 5
+    assert statuses[0].state == "pending" and statuses[0].reason == "scheduled"
+    assert statuses[1] == workpool.Finished(workpool.Success(1))
+    assert statuses[2] == workpool.Finished(None)
+    assert statuses[3] == workpool.Finished(workpool.Success(0))
+    assert statuses[4] == statuses[0]
+    assert pool.status_batch([]) == []
+    pool.cancel(later)
+
+
+def test_status_waiting_for_slot(app):
+    started = threading.Event()
+    release = threading.Event()
+
+    @app.action(name="slow")
+    def slow() -> None:
+        started.set()
+        release.wait(20)
+
+    pool = app.pool("slots", max_parallelism=1)
+    first = pool.enqueue_action(slow)
+    second = pool.enqueue_action(slow, run_after=0.01)
+    try:
+        with background_worker(app, concurrency=4):
+            assert started.wait(10)
+            wait_for(lambda: time.time() > pool.status(second).due_at)
+            status = pool.status(second)
+            assert status.state == "pending"
+            assert status.reason == "waiting_for_slot"
+            assert (status.running, status.limit) == (1, 1)
+            assert pool.status(first).state == "running"
+            release.set()
+            wait_for(lambda: pool.status(second).state == "finished")
+    finally:
+        release.set()
+
+
+def test_status_is_answered_from_the_database(app, store_url):
+    @app.action(name="job")
+    def job() -> int:
+        return 3
+
+    pool = app.pool("shared")
+    wid = pool.enqueue_action(job)
+    other = workpool.App(store_url)  # another client, no registrations
+    try:
+        assert other.pool("shared").status(wid).state == "pending"
+        run_until_idle(app)
+        assert other.pool("shared").status(wid) == workpool.Finished(workpool.Success(3))
+        assert other.pool("shared").stats().backlog == 0
+    finally:
+        other.close()
+
+
+def test_status_ttl_expired_work_is_removed_by_the_pools_cleanup(app):
+    @app.action(name="job")
+    def job() -> None:
+        pass
+
+    pool = app.pool("short_lived", status_ttl=0.2)
+    keep_pool = app.pool("long_lived")
+    wid = pool.enqueue_action(job, run_after=60)
+    kept = keep_pool.enqueue_action(job, run_after=60)
+    pool.cancel(wid)
+    keep_pool.cancel(kept)
+    finished_at = time.time()
+    assert pool.status(wid) == workpool.Finished(workpool.Canceled())
+    wait_for(lambda: time.time() > finished_at + 0.3)
+    # Still answered until a cleanup ran: retention is the pool's own job.
+    with background_worker(app):
+        wait_for(lambda: pool.status(wid).result is None, timeout=10,
+                 message="expired finished work was not removed")
+    assert pool.status(wid) == workpool.Finished(None)
+    assert keep_pool.status(kept) == workpool.Finished(workpool.Canceled())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_status_ttl_of_work_finished_by_a_worker(app):
+    """The cleanup runs once a minute per pool, so this waits for a second round (~60 s)."""
+
+    @app.action(name="job")
+    def job() -> str:
+        return "x"
+
+    pool = app.pool("ttl", status_ttl=1.0)
+    with background_worker(app):
+        wid = pool.enqueue_action(job)
+        wait_for(lambda: pool.status(wid).state == "finished")
+        assert pool.status(wid).result == workpool.Success("x")
+        wait_for(lambda: pool.status(wid).result is None, timeout=130)
+
+
+def test_stats_numbers(app):
+    @app.action(name="ok")
+    def ok() -> None:
+        pass
+
+    @app.action(name="bad")
+    def bad() -> None:
+        raise RuntimeError("bad")
+
+    pool = app.pool("stats")
+    empty = pool.stats()
+    assert (empty.running, empty.backlog, empty.scheduled) == (0, 0, 0)
+    assert (empty.completed, empty.failure_rate, empty.permanent_failure_rate) == (0, 0, 0)
+    assert empty.max_parallelism == 10  # the default
+    assert empty.paused is False
+
+    pool.enqueue_action_batch(ok, [{}, {}])
+    pool.enqueue_action(bad, retry=RetryBehavior(max_attempts=2, initial_backoff=0.01))
+    later = pool.enqueue_action(ok, run_after=60)
+    before = pool.stats()
+    assert (before.backlog, before.scheduled, before.running) == (3, 1, 0)
+    pool.cancel(later)
+    run_until_idle(app)
+    stats = pool.stats()
+    # completions: 2 succeeded, 1 retry, 1 failed for good, 1 canceled
+    assert stats.succeeded == 2
+    assert stats.retries == 1
+    assert stats.failed == 1
+    assert stats.canceled == 1
+    assert stats.completed == 5
+    assert stats.failure_rate == pytest.approx((1 + 1) / 5, abs=1e-3)
+    assert stats.permanent_failure_rate == pytest.approx(1 / (5 - 1), abs=1e-3)
+    assert (stats.backlog, stats.scheduled, stats.running) == (0, 0, 0)
+
+
+def test_current_inside_sync_and_async_actions(app, rec: Recorder):
+    @app.action(name="sync_info")
+    def sync_info() -> None:
+        info = workpool.current()
+        rec.add(info=info)
+
+    @app.action(name="async_info")
+    async def async_info() -> None:
+        await asyncio.sleep(0)
+        rec.add(info=workpool.current())
+
+    pool = app.pool("current")
+    a = pool.enqueue_action(sync_info)
+    b = pool.enqueue_action(async_info)
+    run_until_idle(app)
+    infos = {c["info"].work_id: c["info"] for c in rec.calls}
+    assert set(infos) == {a, b}
+    assert (infos[a].pool, infos[a].fn_name, infos[a].attempt) == ("current", "sync_info", 1)
+    assert (infos[b].pool, infos[b].fn_name, infos[b].attempt) == ("current", "async_info", 1)
+    assert isinstance(infos[a], workpool.RunInfo)
+
+
+def test_current_outside_work_raises_lookup_error():
+    with pytest.raises(LookupError):
+        workpool.current()
+
+
+def test_current_does_not_leak_between_attempts(app, rec: Recorder):
+    @app.action(name="job")
+    def job(i: int) -> None:
+        time.sleep(0.01)
+        rec.add(i=i, wid=workpool.current().work_id)
+
+    pool = app.pool("current")
+    wids = pool.enqueue_action_batch(job, [{"i": i} for i in range(8)])
+    run_until_idle(app, concurrency=4)
+    got = {c["i"]: c["wid"] for c in rec.calls}
+    assert got == dict(enumerate(wids))
+
+
+def test_timeout_of_a_sync_action(app):
+    gate = threading.Event()
+
+    @app.action(name="hangs")
+    def hangs() -> None:
+        gate.wait(5)
+
+    pool = app.pool("timeouts")
+    wid = pool.enqueue_action(hangs, timeout=0.3)
+    start = time.time()
+    try:
+        with background_worker(app):
+            status = wait_for(lambda: (s := pool.status(wid)).state == "finished" and s, 4)
+            took = time.time() - start
+    finally:
+        gate.set()
+    assert status.result.kind == "failed"
+    assert "timed out" in status.result.error
+    assert took < 4
+
+
+def test_timeout_of_an_async_action(app):
+    @app.action(name="hangs_async")
+    async def hangs_async() -> None:
+        await asyncio.sleep(30)
+
+    pool = app.pool("timeouts")
+    wid = pool.enqueue_action(hangs_async, timeout=0.3)
+    start = time.time()
+    run_until_idle(app, timeout=10)
+    assert time.time() - start < 5
+    result = pool.status(wid).result
+    assert result.kind == "failed"
+    assert "timed out" in result.error
+
+
+def test_an_action_within_its_timeout_succeeds(app):
+    @app.action(name="quick")
+    async def quick() -> int:
+        await asyncio.sleep(0.01)
+        return 1
+
+    pool = app.pool("timeouts")
+    wid = pool.enqueue_action(quick, timeout=5)
+    run_until_idle(app)
+    assert pool.status(wid).result == workpool.Success(1)
+
+
+def test_async_twins(app, rec: Recorder):
+    @app.action(name="job")
+    def job(i: int) -> int:
+        rec.add(i=i)
+        return i
+
+    @app.mutation(name="mut")
+    def mut(tx) -> str:
+        return "m"
+
+    @app.query(name="qry")
+    def qry(tx) -> str:
+        return "q"
+
+    pool = app.pool("async_api")
+
+    async def client() -> tuple:
+        one = await pool.enqueue_action_async(job, {"i": 1})
+        many = await pool.enqueue_action_batch_async(job, [{"i": 2}, {"i": 3}])
+        m = await pool.enqueue_mutation_async(mut)
+        ms = await pool.enqueue_mutation_batch_async(mut, [{}])
+        q = await pool.enqueue_query_async(qry)
+        qs = await pool.enqueue_query_batch_async(qry, [{}])
+        later = await pool.enqueue_action_async(job, {"i": 4}, run_after=60)
+        assert (await pool.status_async(later)).state == "pending"
+        await pool.cancel_async(later)
+        return one, many, m, ms, q, qs, later
+
+    one, many, m, ms, q, qs, later = asyncio.run(client())
+    run_until_idle(app)
+
+    async def check() -> None:
+        assert (await pool.status_async(one)).result == workpool.Success(1)
+        got = await pool.status_batch_async([*many, m, *ms, q, *qs, later])
+        assert [s.result for s in got] == [
+            workpool.Success(2),
+            workpool.Success(3),
+            workpool.Success("m"),
+            workpool.Success("m"),
+            workpool.Success("q"),
+            workpool.Success("q"),
+            workpool.Canceled(),
+        ]
+        await pool.configure_async(max_parallelism=3)
+        assert (await pool.stats_async()).max_parallelism == 3
+        other = await pool.enqueue_action_async(job, {"i": 5}, run_after=60)
+        assert await pool.cancel_all_async() == 1
+        assert (await pool.status_async(other)).result == workpool.Canceled()
+
+    asyncio.run(check())
+    assert sorted(rec.values("i")) == [1, 2, 3]
+
+
+def test_result_and_status_types_are_frozen_tagged_values():
+    import dataclasses
+
+    assert workpool.Success(1).kind == "success"
+    assert workpool.Failed("e").kind == "failed"
+    assert workpool.Canceled().kind == "canceled"
+    assert workpool.Finished(None).state == "finished"
+    assert workpool.Pending(0).state == "pending"
+    assert workpool.Running(0).state == "running"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        workpool.Success(1).return_value = 2  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        workpool.Finished(None).result = workpool.Canceled()  # type: ignore[misc]
+
+
+def test_pool_config_is_persisted_and_overwritten_by_given_options(app, store_url):
+    # Options apply on a pool's first write (enqueue, configure, ...); reads such as
+    # stats() show them but never write them.
+    app.pool("cfg", max_parallelism=4, log_level="INFO").configure()
+    other = workpool.App(store_url)
+    try:
+        assert other.pool("cfg").stats().max_parallelism == 4  # no options: stored config
+        assert other.pool("cfg", max_parallelism=6).stats().max_parallelism == 6  # a view
+        assert other.pool("cfg").stats().max_parallelism == 4  # ... that wrote nothing
+        other.pool("cfg", max_parallelism=6).configure()
+    finally:
+        other.close()
+    assert app.pool("cfg").stats().max_parallelism == 6
