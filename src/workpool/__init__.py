@@ -22,6 +22,7 @@ from workpool.core.results import (
     Running,
     Status,
     Success,
+    WorkInfo,
 )
 from workpool.core.retry import RetryBehavior
 from workpool.observability.stats import PoolStats
@@ -51,6 +52,7 @@ __all__ = [
     "StoreUnavailableError",
     "Success",
     "Tx",
+    "WorkInfo",
     "WorkpoolError",
     "current",
 ]

@@ -13,6 +13,7 @@ from contextlib import AbstractContextManager
 from typing import Any, TypeVar, overload
 
 from workpool.core.errors import InvalidArgumentError, InvalidTypeError
+from workpool.core.results import WorkInfo
 from workpool.core.validation import check_name, check_seconds
 from workpool.observability import events
 from workpool.pool import Pool, check_pool_options
@@ -107,6 +108,15 @@ class App:
         stored = self.run(self.store.load_pools, readonly=True)
         names = sorted({c.name for c in stored} | set(self._pools))
         return [self._pools.get(n) or Pool(self, n, {}) for n in names]
+
+    def inspect(self, work_id: str) -> WorkInfo | None:
+        """Everything about one work item of any pool (None once unknown or expired)."""
+        if not isinstance(work_id, str):
+            raise InvalidTypeError(f"a work id must be a str, got {work_id!r:.80}")
+        return self.run(lambda tx: self.store.work_info(tx, work_id), readonly=True)
+
+    async def inspect_async(self, work_id: str) -> WorkInfo | None:
+        return await asyncio.to_thread(self.inspect, work_id)
 
     def transaction(self) -> AbstractContextManager[Tx]:
         """Your own transaction: run SQL with ``tx.execute`` and enqueue with ``tx=tx``."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
@@ -15,6 +16,7 @@ from workpool.core.results import (
     PendingReason,
     Running,
     Status,
+    WorkInfo,
     result_from_json,
 )
 from workpool.core.retry import RetryBehavior, resolve_retry
@@ -28,9 +30,9 @@ from workpool.core.validation import (
     resolve_due_at,
 )
 from workpool.observability import events
-from workpool.observability.stats import PoolStats, pool_stats
+from workpool.observability.stats import PoolStats, counters_stats, pool_stats
 from workpool.runtime.completion import Changes
-from workpool.store.base import FnKind, NewWork, PoolConfig, StatusRow, Tx
+from workpool.store.base import Counters, FnKind, NewWork, PoolConfig, StatusRow, Tx
 
 if TYPE_CHECKING:
     from workpool.app import App
@@ -130,12 +132,58 @@ class Pool:
         given = check_pool_options(**options)
 
         def body(tx: Tx) -> PoolConfig:
-            config = PoolConfig(**{**_fields(self._config(tx)), **given})
+            current = self._config(tx)
+            config = PoolConfig(**{**_fields(current), **given})
+            if config.max_parallelism == 0 and current.max_parallelism > 0:
+                config = replace(config, paused_from=current.max_parallelism)
+            elif config.max_parallelism > 0:
+                config = replace(config, paused_from=None)
             self.app.store.save_pool(tx, config)
             self.app.store.notify(tx, [self.name])
             return config
 
         return self.app.run(body)
+
+    def pause(self) -> PoolConfig:
+        """Stop starting work everywhere (running work finishes); same as max_parallelism=0."""
+        return self.configure(max_parallelism=0)
+
+    def resume(self) -> PoolConfig:
+        """Undo ``pause``: restore the limit the pool had before it was paused."""
+
+        def body(tx: Tx) -> int:
+            config = self._config(tx)
+            if config.max_parallelism > 0:
+                return config.max_parallelism
+            return config.paused_from or PoolConfig(self.name).max_parallelism
+
+        return self.configure(max_parallelism=self.app.run(body))
+
+    def history(self, minutes: int = 60) -> list[tuple[float, PoolStats]]:
+        """Per-minute completions of the last ``minutes``: (minute start, counters as stats)."""
+        if isinstance(minutes, bool) or not isinstance(minutes, int) or not 1 <= minutes <= 1440:
+            raise InvalidArgumentError(f"minutes must be an int in 1..1440, got {minutes!r}")
+        store = self.app.store
+
+        def body(tx: Tx) -> list[tuple[float, PoolStats]]:
+            config = self._view(tx)
+            now = self.app.clock()
+            first = int(now // 60) - minutes + 1
+            rows = dict(store.history(tx, self.name, first))
+            return [
+                (bucket * 60.0, counters_stats(config, rows.get(bucket, Counters()), 60.0))
+                for bucket in range(first, first + minutes)
+            ]
+
+        return self.app.run(body, readonly=True)
+
+    def recent_failures(self, limit: int = 20) -> list[WorkInfo]:
+        """The newest finished items of this pool whose result is Failed."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 1000:
+            raise InvalidArgumentError(f"limit must be an int in 1..1000, got {limit!r}")
+        return self.app.run(
+            lambda tx: self.app.store.recent_failures(tx, self.name, limit), readonly=True
+        )
 
     def stats(self, window: float = 60.0) -> PoolStats:
         """Live numbers: backlog, running, limit, and completions over ``window`` seconds."""
@@ -457,6 +505,10 @@ class Pool:
     cancel_async = _async_twin(cancel)
     cancel_all_async = _async_twin(cancel_all)
     configure_async = _async_twin(configure)
+    pause_async = _async_twin(pause)
+    resume_async = _async_twin(resume)
+    history_async = _async_twin(history)
+    recent_failures_async = _async_twin(recent_failures)
     stats_async = _async_twin(stats)
 
     def __repr__(self) -> str:

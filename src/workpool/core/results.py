@@ -100,3 +100,38 @@ class Finished:
 
 
 Status = Pending | Running | Finished
+
+
+@dataclass(frozen=True, slots=True)
+class WorkInfo:
+    """Everything known about one work item, for operators (``app.inspect``).
+
+    ``state`` is the stored state: pending, running, completing or finished.
+    ``attempts`` counts attempts started so far; ``args`` are the decoded args.
+    """
+
+    work_id: str
+    pool: str
+    kind: str
+    fn_name: str
+    state: str
+    args: Any
+    attempts: int
+    enqueued_at: float
+    due_at: float | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    worker_id: str | None = None
+    last_error: str | None = None
+    result: Result | None = None
+    on_complete: str | None = None
+    on_complete_error: str | None = None
+    cancel_requested: bool = False
+    max_attempts: int | None = None
+    timeout: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {name: getattr(self, name) for name in self.__slots__}
+        if self.result is not None:
+            data["result"] = json.loads(result_to_json(self.result))
+        return data

@@ -15,6 +15,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from workpool.core import histogram
 from workpool.core.decide import HANDLER_RETRY, AttemptOutcome, Finish, Raised, RetryAt, decide
 from workpool.core.errors import describe_error
 from workpool.core.results import Canceled, Failed, Result, result_from_json, result_to_json
@@ -105,7 +106,10 @@ class Completion:
         level = self.pool_level(work.pool)
         if work.started_at is not None:
             lag = max(work.started_at - work.due_at, 0.0)
-            changes.count(work.pool, Counters(lag_count=1, lag_sum=lag, lag_max=lag))
+            changes.count(
+                work.pool,
+                Counters(lag_count=1, lag_sum=lag, lag_max=lag, lag_hist=histogram.one(lag)),
+            )
         match decision:
             case RetryAt(due_at, error):
                 changes.retried.append(Retrying(work, due_at, error))
@@ -139,11 +143,11 @@ class Completion:
         """
         result_json = result_to_json(result)
         if work.on_complete is None:
-            changes.finished.append(Finishing(work, result_json))
+            changes.finished.append(Finishing(work, result.kind, result_json))
             return
         error = self._run_handler(tx, work, result)
         if error is None:
-            changes.finished.append(Finishing(work, result_json))
+            changes.finished.append(Finishing(work, result.kind, result_json))
             return
         failures = work.handler_failures + 1
         final = failures >= HANDLER_RETRY.max_attempts
@@ -158,7 +162,9 @@ class Completion:
             final=final,
         )
         if final:
-            changes.finished.append(Finishing(work, result_json, handler_error=error[0]))
+            changes.finished.append(
+                Finishing(work, result.kind, result_json, handler_error=error[0])
+            )
             return
         due_at = now + HANDLER_RETRY.delay(failures, self.rand())
         changes.handed.append(Handing(work, result_json, due_at, failures, error[0]))
@@ -203,7 +209,7 @@ class Completion:
                 )
                 result = result_to_json(Canceled())
                 if work.on_complete is None:
-                    changes.finished.append(Finishing(work, result))
+                    changes.finished.append(Finishing(work, "canceled", result))
                 else:
                     # The handler runs in a worker, which has it registered; the caller may not.
                     changes.handed.append(Handing(work, result, now, 0, "canceled"))

@@ -8,6 +8,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+from workpool.core import histogram
+from workpool.core.results import WorkInfo
 from workpool.core.retry import DEFAULT_RETRY, RetryBehavior
 
 T = TypeVar("T")
@@ -42,6 +44,7 @@ class PoolConfig:
     default_retry: RetryBehavior = DEFAULT_RETRY
     log_level: str = "REPORT"
     status_ttl: float = 86_400.0
+    paused_from: int | None = None  # the limit before a pause(); resume() restores it
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +106,7 @@ class Finishing:
     """``work`` (locked, checked) becomes finished with ``result`` (JSON)."""
 
     work: ActiveWork
+    outcome: str  # success | failed | canceled
     result: str
     handler_error: str | None = None
 
@@ -167,6 +171,7 @@ class Counters:
     lag_count: int = 0
     lag_sum: float = 0.0
     lag_max: float = 0.0
+    lag_hist: tuple[int, ...] = histogram.EMPTY  # counts per histogram.LAG_BOUNDS bucket
 
     def __add__(self, other: Counters) -> Counters:
         return Counters(
@@ -178,6 +183,7 @@ class Counters:
             self.lag_count + other.lag_count,
             self.lag_sum + other.lag_sum,
             max(self.lag_max, other.lag_max),
+            histogram.add(self.lag_hist, other.lag_hist),
         )
 
 
@@ -292,6 +298,18 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def lost_work(self, tx: Tx, pools: Sequence[str], now: float, limit: int) -> list[ActiveWork]:
         """Running work whose worker's lease expired, locked (others skip it)."""
+
+    @abc.abstractmethod
+    def work_info(self, tx: Tx, work_id: str) -> WorkInfo | None:
+        """Everything about one item, active or finished."""
+
+    @abc.abstractmethod
+    def recent_failures(self, tx: Tx, pool: str, limit: int) -> list[WorkInfo]:
+        """The newest finished items of ``pool`` whose result is Failed."""
+
+    @abc.abstractmethod
+    def history(self, tx: Tx, pool: str, since_bucket: int) -> list[tuple[int, Counters]]:
+        """Counters per minute bucket from ``since_bucket`` on, summed over workers."""
 
     @abc.abstractmethod
     def running_of(self, tx: Tx, worker_id: str) -> list[tuple[str, int, float]]:

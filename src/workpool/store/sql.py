@@ -9,7 +9,9 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any, ClassVar
 
+from workpool.core import histogram
 from workpool.core.errors import StoreUnavailableError
+from workpool.core.results import WorkInfo, result_from_json
 from workpool.core.retry import RetryBehavior
 from workpool.store.base import (
     ActiveWork,
@@ -34,11 +36,22 @@ ACTIVE_COLUMNS = (
     " enqueued_at, due_at, result, handler_failures, lost_count, last_error, worker_id,"
     " started_at"
 )
-IN_CHUNK = 500  # ids per IN (...) list: well under SQLite's variable limit
+IN_CHUNK = 500
+HIST_COLUMNS = tuple(
+    f"lag_h{i}" for i in range(len(histogram.LAG_BOUNDS))
+)  # ids per IN (...) list: well under SQLite's variable limit
 
 
 def _retry_json(retry: RetryBehavior | None) -> str | None:
     return None if retry is None else json.dumps(retry.to_json())
+
+
+def _decoded(text: str) -> Any:
+    """Stored JSON, or the raw text when a row holds something that is not JSON."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def _active(row: Sequence[Any]) -> ActiveWork:
@@ -185,7 +198,7 @@ class SqlStore(Store):
     # --- pools ------------------------------------------------------------------------------
     _POOL_COLUMNS = (
         "name, max_parallelism, retry_actions_by_default, max_attempts, initial_backoff, base,"
-        " log_level, status_ttl"
+        " log_level, status_ttl, paused_from"
     )
 
     @staticmethod
@@ -197,6 +210,7 @@ class SqlStore(Store):
             default_retry=RetryBehavior(int(row[3]), float(row[4]), float(row[5])),
             log_level=row[6],
             status_ttl=float(row[7]),
+            paused_from=None if row[8] is None else int(row[8]),
         )
 
     def load_pool(self, tx: Tx, name: str) -> PoolConfig | None:
@@ -213,12 +227,12 @@ class SqlStore(Store):
         retry = config.default_retry
         self.q(
             tx,
-            f"INSERT INTO {{s}}pools ({self._POOL_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+            f"INSERT INTO {{s}}pools ({self._POOL_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
             " ON CONFLICT (name) DO UPDATE SET max_parallelism = excluded.max_parallelism,"
             " retry_actions_by_default = excluded.retry_actions_by_default,"
             " max_attempts = excluded.max_attempts, initial_backoff = excluded.initial_backoff,"
             " base = excluded.base, log_level = excluded.log_level,"
-            " status_ttl = excluded.status_ttl",
+            " status_ttl = excluded.status_ttl, paused_from = excluded.paused_from",
             (
                 config.name,
                 config.max_parallelism,
@@ -228,6 +242,7 @@ class SqlStore(Store):
                 retry.base,
                 config.log_level,
                 config.status_ttl,
+                config.paused_from,
             ),
         )
 
@@ -342,30 +357,32 @@ class SqlStore(Store):
     def finish_many(self, tx: Tx, items: Sequence[Finishing], now: float) -> None:
         if not items:
             return
+        # Copied inside the database: args are kept for inspection without a round trip.
+        self._executemany(
+            tx,
+            self._sql(
+                "INSERT INTO {s}finished (id, pool, fn_name, kind, args, on_complete, outcome,"
+                " result, attempts, enqueued_at, finished_at, last_error, handler_error)"
+                " SELECT id, pool, fn_name, kind, args, on_complete, ?, ?, attempt, enqueued_at,"
+                " ?, last_error, ? FROM {s}work WHERE id = ? AND state = ? AND attempt = ?"
+            ),
+            [
+                (
+                    f.outcome,
+                    f.result,
+                    now,
+                    f.handler_error,
+                    f.work.id,
+                    f.work.state,
+                    f.work.attempt,
+                )
+                for f in items
+            ],
+        )
         self._executemany(
             tx,
             self._sql("DELETE FROM {s}work WHERE id = ? AND state = ? AND attempt = ?"),
             [(f.work.id, f.work.state, f.work.attempt) for f in items],
-        )
-        self._executemany(
-            tx,
-            self._sql(
-                "INSERT INTO {s}finished (id, pool, fn_name, result, attempts, enqueued_at,"
-                " finished_at, handler_error) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
-            ),
-            [
-                (
-                    f.work.id,
-                    f.work.pool,
-                    f.work.fn_name,
-                    f.result,
-                    f.work.attempt,
-                    f.work.enqueued_at,
-                    now,
-                    f.handler_error,
-                )
-                for f in items
-            ],
         )
 
     def retry_many(self, tx: Tx, items: Sequence[Retrying]) -> None:
@@ -419,6 +436,72 @@ class SqlStore(Store):
             (*pools, now, limit),
         ).fetchall()
         return [_active(r) for r in rows]
+
+    def work_info(self, tx: Tx, work_id: str) -> WorkInfo | None:
+        row = self.q(
+            tx,
+            "SELECT id, pool, kind, fn_name, state, args, attempt, enqueued_at, due_at,"
+            " started_at, worker_id, last_error, result, on_complete, cancel_requested, retry,"
+            " timeout FROM {s}work WHERE id = ?",
+            (work_id,),
+        ).fetchone()
+        if row is not None:
+            retry = None if row[15] is None else json.loads(row[15])
+            return WorkInfo(
+                work_id=row[0],
+                pool=row[1],
+                kind=row[2],
+                fn_name=row[3],
+                state=row[4],
+                args=_decoded(row[5]),
+                attempts=int(row[6]),
+                enqueued_at=float(row[7]),
+                due_at=float(row[8]),
+                started_at=None if row[9] is None else float(row[9]),
+                worker_id=row[10],
+                last_error=row[11],
+                result=None if row[12] is None else result_from_json(row[12]),
+                on_complete=row[13],
+                cancel_requested=bool(row[14]),
+                max_attempts=None if retry is None else int(retry["max_attempts"]),
+                timeout=None if row[16] is None else float(row[16]),
+            )
+        found = self._finished_info(tx, "id = ?", (work_id,), 1)
+        return found[0] if found else None
+
+    def recent_failures(self, tx: Tx, pool: str, limit: int) -> list[WorkInfo]:
+        return self._finished_info(
+            tx, "pool = ? AND outcome = 'failed'", (pool,), limit, order="finished_at DESC"
+        )
+
+    def _finished_info(
+        self, tx: Tx, where: str, params: tuple[Any, ...], limit: int, order: str = "id"
+    ) -> list[WorkInfo]:
+        rows = self.q(
+            tx,
+            "SELECT id, pool, kind, fn_name, args, attempts, enqueued_at, finished_at,"
+            " last_error, result, on_complete, handler_error FROM {s}finished"
+            f" WHERE {where} ORDER BY {order} LIMIT ?",
+            (*params, limit),
+        ).fetchall()
+        return [
+            WorkInfo(
+                work_id=r[0],
+                pool=r[1],
+                kind=r[2],
+                fn_name=r[3],
+                state="finished",
+                args=_decoded(r[4]),
+                attempts=int(r[5]),
+                enqueued_at=float(r[6]),
+                finished_at=float(r[7]),
+                last_error=r[8],
+                result=result_from_json(r[9]),
+                on_complete=r[10],
+                on_complete_error=r[11],
+            )
+            for r in rows
+        ]
 
     def running_of(self, tx: Tx, worker_id: str) -> list[tuple[str, int, float]]:
         rows = self.q(
@@ -499,23 +582,29 @@ class SqlStore(Store):
         cur = self.q(tx, "DELETE FROM {s}workers WHERE expires_at < ?", (now - 3600.0,))
         return int(cur.rowcount)
 
+    _SUMMED = (
+        "completed",
+        "succeeded",
+        "failed",
+        "retries",
+        "canceled",
+        "lag_count",
+        "lag_sum",
+        *HIST_COLUMNS,
+    )
+
     def add_counters(
         self, tx: Tx, pool: str, worker_id: str, bucket: int, counters: Counters
     ) -> None:
         # One row per (pool, worker, minute): completions of different workers never
         # update the same row.
+        columns = (*self._SUMMED, "lag_max")
+        sums = ", ".join(f"{c} = {{s}}counters.{c} + excluded.{c}" for c in self._SUMMED)
         self.q(
             tx,
-            "INSERT INTO {s}counters (pool, worker_id, bucket, completed, succeeded, failed,"
-            " retries, canceled, lag_count, lag_sum, lag_max) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?,"
-            " ?, ?) ON CONFLICT (pool, worker_id, bucket) DO UPDATE SET"
-            " completed = {s}counters.completed + excluded.completed,"
-            " succeeded = {s}counters.succeeded + excluded.succeeded,"
-            " failed = {s}counters.failed + excluded.failed,"
-            " retries = {s}counters.retries + excluded.retries,"
-            " canceled = {s}counters.canceled + excluded.canceled,"
-            " lag_count = {s}counters.lag_count + excluded.lag_count,"
-            " lag_sum = {s}counters.lag_sum + excluded.lag_sum,"
+            f"INSERT INTO {{s}}counters (pool, worker_id, bucket, {', '.join(columns)})"
+            f" VALUES (?, ?, ?, {', '.join('?' * len(columns))})"
+            f" ON CONFLICT (pool, worker_id, bucket) DO UPDATE SET {sums},"
             " lag_max = CASE WHEN excluded.lag_max > {s}counters.lag_max"
             " THEN excluded.lag_max ELSE {s}counters.lag_max END",
             (
@@ -529,29 +618,44 @@ class SqlStore(Store):
                 counters.canceled,
                 counters.lag_count,
                 counters.lag_sum,
+                *counters.lag_hist,
                 counters.lag_max,
             ),
         )
 
+    @staticmethod
+    def _counters(row: Sequence[Any]) -> Counters:
+        hist = tuple(int(v or 0) for v in row[7 : 7 + len(HIST_COLUMNS)])
+        return Counters(
+            int(row[0] or 0),
+            int(row[1] or 0),
+            int(row[2] or 0),
+            int(row[3] or 0),
+            int(row[4] or 0),
+            int(row[5] or 0),
+            float(row[6] or 0),
+            float(row[7 + len(HIST_COLUMNS)] or 0),
+            hist,
+        )
+
     def read_counters(self, tx: Tx, pool: str, since_bucket: int) -> Counters:
+        sums = ", ".join(f"sum({c})" for c in self._SUMMED)
         row = self.q(
             tx,
-            "SELECT coalesce(sum(completed), 0), coalesce(sum(succeeded), 0),"
-            " coalesce(sum(failed), 0), coalesce(sum(retries), 0), coalesce(sum(canceled), 0),"
-            " coalesce(sum(lag_count), 0), coalesce(sum(lag_sum), 0), coalesce(max(lag_max), 0)"
-            " FROM {s}counters WHERE pool = ? AND bucket >= ?",
+            f"SELECT {sums}, max(lag_max) FROM {{s}}counters WHERE pool = ? AND bucket >= ?",
             (pool, since_bucket),
         ).fetchone()
-        return Counters(
-            int(row[0]),
-            int(row[1]),
-            int(row[2]),
-            int(row[3]),
-            int(row[4]),
-            int(row[5]),
-            float(row[6]),
-            float(row[7]),
-        )
+        return self._counters(row)
+
+    def history(self, tx: Tx, pool: str, since_bucket: int) -> list[tuple[int, Counters]]:
+        sums = ", ".join(f"sum({c})" for c in self._SUMMED)
+        rows = self.q(
+            tx,
+            f"SELECT {sums}, max(lag_max), bucket FROM {{s}}counters WHERE pool = ?"
+            " AND bucket >= ? GROUP BY bucket ORDER BY bucket",
+            (pool, since_bucket),
+        ).fetchall()
+        return [(int(row[-1]), self._counters(row)) for row in rows]
 
     def prune_counters(self, tx: Tx, pool: str, before_bucket: int) -> int:
         cur = self.q(

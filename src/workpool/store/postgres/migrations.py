@@ -15,7 +15,8 @@ MIGRATIONS: list[str] = [
         initial_backoff double precision NOT NULL,
         base double precision NOT NULL,
         log_level text NOT NULL,
-        status_ttl double precision NOT NULL
+        status_ttl double precision NOT NULL,
+        paused_from integer
     );
     CREATE TABLE {s}duties (
         pool text NOT NULL,
@@ -58,13 +59,19 @@ MIGRATIONS: list[str] = [
         id text PRIMARY KEY,
         pool text NOT NULL,
         fn_name text NOT NULL,
+        kind text NOT NULL,
+        args text NOT NULL,
+        on_complete text,
+        outcome text NOT NULL,
         result text NOT NULL,
         attempts integer NOT NULL,
         enqueued_at double precision NOT NULL,
         finished_at double precision NOT NULL,
+        last_error text,
         handler_error text
     );
     CREATE INDEX finished_age ON {s}finished (pool, finished_at);
+    CREATE INDEX finished_outcome ON {s}finished (pool, outcome, finished_at);
     CREATE TABLE {s}workers (
         id text PRIMARY KEY,
         host text NOT NULL,
@@ -86,6 +93,20 @@ MIGRATIONS: list[str] = [
         lag_count bigint NOT NULL,
         lag_sum double precision NOT NULL,
         lag_max double precision NOT NULL,
+        lag_h0 bigint NOT NULL DEFAULT 0,
+        lag_h1 bigint NOT NULL DEFAULT 0,
+        lag_h2 bigint NOT NULL DEFAULT 0,
+        lag_h3 bigint NOT NULL DEFAULT 0,
+        lag_h4 bigint NOT NULL DEFAULT 0,
+        lag_h5 bigint NOT NULL DEFAULT 0,
+        lag_h6 bigint NOT NULL DEFAULT 0,
+        lag_h7 bigint NOT NULL DEFAULT 0,
+        lag_h8 bigint NOT NULL DEFAULT 0,
+        lag_h9 bigint NOT NULL DEFAULT 0,
+        lag_h10 bigint NOT NULL DEFAULT 0,
+        lag_h11 bigint NOT NULL DEFAULT 0,
+        lag_h12 bigint NOT NULL DEFAULT 0,
+        lag_h13 bigint NOT NULL DEFAULT 0,
         PRIMARY KEY (pool, worker_id, bucket)
     );
     """,

@@ -12,7 +12,8 @@ MIGRATIONS: list[str] = [
         initial_backoff REAL NOT NULL,
         base REAL NOT NULL,
         log_level TEXT NOT NULL,
-        status_ttl REAL NOT NULL
+        status_ttl REAL NOT NULL,
+        paused_from INTEGER
     );
     CREATE TABLE duties (
         pool TEXT NOT NULL,
@@ -52,13 +53,19 @@ MIGRATIONS: list[str] = [
         id TEXT PRIMARY KEY,
         pool TEXT NOT NULL,
         fn_name TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        args TEXT NOT NULL,
+        on_complete TEXT,
+        outcome TEXT NOT NULL,
         result TEXT NOT NULL,
         attempts INTEGER NOT NULL,
         enqueued_at REAL NOT NULL,
         finished_at REAL NOT NULL,
+        last_error TEXT,
         handler_error TEXT
     );
     CREATE INDEX finished_age ON finished (pool, finished_at);
+    CREATE INDEX finished_outcome ON finished (pool, outcome, finished_at);
     CREATE TABLE workers (
         id TEXT PRIMARY KEY,
         host TEXT NOT NULL,
@@ -80,6 +87,20 @@ MIGRATIONS: list[str] = [
         lag_count INTEGER NOT NULL,
         lag_sum REAL NOT NULL,
         lag_max REAL NOT NULL,
+        lag_h0 INTEGER NOT NULL DEFAULT 0,
+        lag_h1 INTEGER NOT NULL DEFAULT 0,
+        lag_h2 INTEGER NOT NULL DEFAULT 0,
+        lag_h3 INTEGER NOT NULL DEFAULT 0,
+        lag_h4 INTEGER NOT NULL DEFAULT 0,
+        lag_h5 INTEGER NOT NULL DEFAULT 0,
+        lag_h6 INTEGER NOT NULL DEFAULT 0,
+        lag_h7 INTEGER NOT NULL DEFAULT 0,
+        lag_h8 INTEGER NOT NULL DEFAULT 0,
+        lag_h9 INTEGER NOT NULL DEFAULT 0,
+        lag_h10 INTEGER NOT NULL DEFAULT 0,
+        lag_h11 INTEGER NOT NULL DEFAULT 0,
+        lag_h12 INTEGER NOT NULL DEFAULT 0,
+        lag_h13 INTEGER NOT NULL DEFAULT 0,
         PRIMARY KEY (pool, worker_id, bucket)
     );
     """,
