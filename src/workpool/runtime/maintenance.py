@@ -36,6 +36,8 @@ class Maintenance:
         self.worker = worker
         self.store = worker.store
         self._stop = threading.Event()
+        # Since when heartbeats have been succeeding without a gap; None after a failure.
+        self._connected_since: float | None = None
         self._next = {
             "heartbeat": 0.0,
             "rescue": 0.0,
@@ -74,7 +76,7 @@ class Maintenance:
         pools = [p for p in self.worker.served() if p in self.worker.configs]
         if not pools:
             return
-        if self._due("rescue", now, RESCUE_EVERY_S):
+        if self._due("rescue", now, RESCUE_EVERY_S) and self._settled(now):
             self.rescue(pools, now)
         if self._due("orphans", now, ORPHANS_EVERY_S):
             self.adopt_orphans(now)
@@ -86,9 +88,27 @@ class Maintenance:
 
     def heartbeat(self, now: float) -> None:
         worker = self.worker
-        self.store.run(
-            lambda tx: self.store.heartbeat(tx, worker.info, now, now + worker.options.lease)
-        )
+        try:
+            self.store.run(
+                lambda tx: self.store.heartbeat(tx, worker.info, now, now + worker.options.lease)
+            )
+        except Exception:
+            self._connected_since = None
+            self._next["heartbeat"] = now + 0.5  # renew as soon as the store is back
+            raise
+        if self._connected_since is None:
+            self._connected_since = now
+
+    def _settled(self, now: float) -> bool:
+        """Rescue only after one lease of working heartbeats.
+
+        After a store outage every lease looks expired; waiting one lease gives
+        the live workers time to renew theirs before anyone rescues their work.
+        The first heartbeat of a new worker starts the clock too, so a restarted
+        fleet rescues its dead predecessors one lease after coming up.
+        """
+        since = self._connected_since
+        return since is not None and now - since >= self.worker.options.lease
 
     def rescue(self, pools: list[str], now: float) -> int:
         """Finish or retry attempts whose worker's lease expired."""

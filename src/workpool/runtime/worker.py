@@ -140,7 +140,7 @@ class Worker:
         while not self.stopping.is_set():
             self.wake.clear()
             try:
-                claimed = self._claim()
+                wait = self._dispatch_once()
                 backoff = 0.0
             except Exception as exc:
                 # The loop restarts with backoff: a failing store never spins a core.
@@ -154,23 +154,30 @@ class Worker:
                 )
                 self.stopping.wait(backoff)
                 continue
-            for work in claimed:
-                self._start(work)
-            if claimed:
-                continue
-            if self.options.until_idle and self._idle():
+            if wait is None:
                 return
-            self.wake.wait(self._sleep_time())
+            if wait > 0:
+                self.wake.wait(wait)
+
+    def _dispatch_once(self) -> float | None:
+        """Claim and start what fits; how long to wait for a wake-up (None: idle, leave)."""
+        free = self._free()
+        if free <= 0:
+            return IDLE_POLL_S  # a finishing attempt wakes us
+        claimed = self._claim(free)
+        for work in claimed:
+            self._start(work)
+        if claimed:
+            return 0.0
+        if self.options.until_idle and self._idle():
+            return None
+        return self._sleep_time()
 
     def _free(self) -> int:
         with self._lock:
             return self.options.concurrency - len(self._inflight)
 
-    def _claim(self) -> list[ClaimedWork]:
-        free = self._free()
-        if free <= 0:
-            return []
-
+    def _claim(self, free: int) -> list[ClaimedWork]:
         def body(tx: Tx) -> list[ClaimedWork]:
             self.configs = {c.name: c for c in self.store.load_pools(tx)}
             served = [p for p in self.served() if p in self.configs]

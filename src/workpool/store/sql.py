@@ -684,11 +684,12 @@ class SqlStore(Store):
         return int(row[0])
 
     def next_due(self, tx: Tx, pools: Sequence[str]) -> float | None:
-        marks = ", ".join("?" * len(pools))
-        row = self.q(
-            tx,
-            "SELECT min(due_at) FROM {s}work WHERE state IN ('pending', 'completing')"
-            f" AND pool IN ({marks})",
-            list(pools),
-        ).fetchone()
+        # One min() per (pool, state): each is a single index probe, where a min over
+        # an IN list would scan every pending row.
+        parts = " UNION ALL ".join(
+            "SELECT min(due_at) AS due FROM {s}work WHERE pool = ? AND state = ?"
+            for _ in range(2 * len(pools))
+        )
+        params = [v for pool in pools for v in (pool, "pending", pool, "completing")]
+        row = self.q(tx, f"SELECT min(due) FROM ({parts}) AS d", params).fetchone()
         return None if row[0] is None else float(row[0])

@@ -50,9 +50,9 @@ MIGRATIONS: list[str] = [
         enqueued_at double precision NOT NULL
     ) WITH (fillfactor = 70, autovacuum_vacuum_scale_factor = 0.02,
             autovacuum_vacuum_insert_scale_factor = 0.05, autovacuum_analyze_scale_factor = 0.05);
-    CREATE INDEX work_pending ON {s}work (pool, due_at, id) WHERE state = 'pending';
-    CREATE INDEX work_running ON {s}work (pool, worker_id) WHERE state = 'running';
-    CREATE INDEX work_completing ON {s}work (due_at) WHERE state = 'completing';
+    -- Claims, the running count, handler retries and the rescuer all have equality
+    -- on (pool, state); one index serves them all, in due order.
+    CREATE INDEX work_due ON {s}work (pool, state, due_at, id);
     CREATE INDEX work_enqueued ON {s}work (pool, enqueued_at);
     -- Finished work and its result, kept for the pool's status_ttl; append-mostly.
     CREATE TABLE {s}finished (

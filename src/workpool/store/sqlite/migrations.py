@@ -44,9 +44,11 @@ MIGRATIONS: list[str] = [
         lost_count INTEGER NOT NULL,
         enqueued_at REAL NOT NULL
     );
-    CREATE INDEX work_pending ON work (pool, due_at, id) WHERE state = 'pending';
-    CREATE INDEX work_running ON work (pool, worker_id) WHERE state = 'running';
-    CREATE INDEX work_completing ON work (due_at) WHERE state = 'completing';
+    -- One index serves claims (pending by due time), the running count, handler
+    -- retries and the rescuer: every hot query has equality on (pool, state). SQLite
+    -- keeps no statistics by default, so a single index that matches them all is what
+    -- its planner reliably picks over (pool, enqueued_at).
+    CREATE INDEX work_due ON work (pool, state, due_at, id);
     CREATE INDEX work_enqueued ON work (pool, enqueued_at);
     -- Finished work and its result, kept for the pool's status_ttl.
     CREATE TABLE finished (

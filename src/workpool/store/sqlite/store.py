@@ -34,6 +34,7 @@ class SqliteStore(SqlStore):
         self.synchronous = synchronous.upper()
         self._connections: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
+        self._writer = threading.Lock()
         self._probe: sqlite3.Connection | None = None
         self._seen_version: int | None = None
         self._migrated = False
@@ -92,12 +93,35 @@ class SqliteStore(SqlStore):
 
     def _begin(self, readonly: bool) -> tuple[Any, Callable[[bool], None]]:
         conn = self._connection()
-        # IMMEDIATE takes the write lock up front: a deferred transaction that later
-        # writes can fail with SQLITE_BUSY_SNAPSHOT, which no busy timeout retries.
-        conn.execute("BEGIN" if readonly else "BEGIN IMMEDIATE")
+        if readonly:
+            conn.execute("BEGIN")
+
+            def end_read(commit: bool) -> None:
+                conn.execute("COMMIT" if commit else "ROLLBACK")
+
+            return conn, end_read
+        # Threads of one process queue on this mutex instead of on SQLite's busy
+        # handler, which sleeps in steps of up to 100 ms; other processes still meet
+        # the file lock and its busy timeout.
+        self._writer.acquire()
+        try:
+            # IMMEDIATE takes the write lock up front: a deferred transaction that
+            # later writes can fail with SQLITE_BUSY_SNAPSHOT, which no busy timeout
+            # retries.
+            conn.execute("BEGIN IMMEDIATE")
+        except BaseException:
+            self._writer.release()
+            raise
 
         def end(commit: bool) -> None:
-            conn.execute("COMMIT" if commit else "ROLLBACK")
+            try:
+                conn.execute("COMMIT" if commit else "ROLLBACK")
+            except BaseException:
+                if conn.in_transaction:  # a failed COMMIT leaves it open: retry from scratch
+                    conn.execute("ROLLBACK")
+                raise
+            finally:
+                self._writer.release()
 
         return conn, end
 
