@@ -315,7 +315,8 @@ class Worker:
                 return  # stale: rescued and re-run elsewhere
             token = set_current(self._info(work))
             try:
-                with self.store.savepoint(tx):
+                # A query's writes are discarded: it reads, its value goes to on_complete.
+                with self.store.savepoint(tx, keep=spec.kind == "mutation"):
                     outcome: AttemptOutcome = _returned(spec.fn(tx, **args))
             except Exception as exc:
                 if self.store.is_transient(exc):

@@ -230,8 +230,11 @@ class Store(abc.ABC):
         """Run ``fn`` in a transaction, retrying the whole of it on transient conflicts."""
 
     @abc.abstractmethod
-    def savepoint(self, tx: Tx) -> AbstractContextManager[None]:
-        """A nested scope: an exception inside rolls back only what it wrote."""
+    def savepoint(self, tx: Tx, *, keep: bool = True) -> AbstractContextManager[None]:
+        """A nested scope: an exception inside rolls back only what it wrote.
+
+        ``keep=False`` rolls its writes back on a normal exit too (queries).
+        """
 
     @abc.abstractmethod
     def adopt(self, connection: Any) -> Tx | None:

@@ -179,7 +179,7 @@ class SqlStore(Store):
                 self._backoff_sleep(attempt)
 
     @contextmanager
-    def savepoint(self, tx: Tx) -> Iterator[None]:
+    def savepoint(self, tx: Tx, *, keep: bool = True) -> Iterator[None]:
         depth = getattr(self._local, "depth", 0) + 1
         self._local.depth = depth
         name = f"wp_sp{depth}"
@@ -191,6 +191,8 @@ class SqlStore(Store):
             tx.connection.execute(f"RELEASE SAVEPOINT {name}")
             raise
         else:
+            if not keep:
+                tx.connection.execute(f"ROLLBACK TO SAVEPOINT {name}")
             tx.connection.execute(f"RELEASE SAVEPOINT {name}")
         finally:
             self._local.depth = depth - 1
