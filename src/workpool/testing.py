@@ -34,8 +34,11 @@ def drain(
     thread.start()
     thread.join(timeout)
     if thread.is_alive():
-        app.stop_workers()
-        thread.join(10.0)
+        for _ in range(100):  # the worker may still be starting: ask until it has stopped
+            app.stop_workers()
+            thread.join(0.1)
+            if not thread.is_alive():
+                break
         raise TimeoutError(f"pools {pools or 'all'} were not idle after {timeout:g} s")
     if errors:
         raise errors[0]
