@@ -6,6 +6,8 @@ import importlib
 import os
 import sys
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import click
 
@@ -56,6 +58,16 @@ def load_app(spec: str) -> App:
             " (write e.g. 'app = workpool.App()' in the module)"
         )
     return target
+
+
+@contextmanager
+def opened_app(spec: str) -> Iterator[App]:
+    """``load_app(spec)``, closed (connections released) when the block ends."""
+    app = load_app(spec)
+    try:
+        yield app
+    finally:
+        app.close()
 
 
 def _current_directory_first() -> None:

@@ -1,4 +1,5 @@
-"""The ``workpool`` command: ``worker``, ``status`` and ``demo``.
+"""The ``workpool`` command: ``worker``, ``status``, ``demo``, plus the operator commands
+(``inspect``, ``pause``, ``resume``, ``set``, ``cancel`` in ops.py; ``dashboard`` in serve.py).
 
 Errors users can fix are one line on stderr, never a traceback: a bad APP exits
 with 2 (like click's own usage errors), a WorkpoolError from the library with 1.
@@ -8,12 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 
 import click
 
 from workpool import __version__
-from workpool.cli.loading import CliError, load_app
+from workpool.cli import ops, serve
+from workpool.cli.loading import CliError, load_app, opened_app
 from workpool.core.errors import WorkpoolError
 
 STATUS_WINDOW_S = 3600.0  # `status` shows completions over the last hour
@@ -77,6 +80,20 @@ def main() -> None:
     show_default=True,
     help="Seconds running work may take to finish after SIGTERM/SIGINT.",
 )
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(min=1, max=65535),
+    metavar="PORT",
+    default=None,
+    help="Serve Prometheus metrics of every pool at http://HOST:PORT/metrics.",
+)
+@click.option(
+    "--metrics-host",
+    metavar="HOST",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address the metrics server listens on (0.0.0.0: every interface).",
+)
 def worker(
     app_spec: str,
     pools: tuple[str, ...],
@@ -84,6 +101,8 @@ def worker(
     until_idle: bool,
     lease: float,
     shutdown_grace: float,
+    metrics_port: int | None,
+    metrics_host: str,
 ) -> None:
     """Run APP's work until SIGTERM/SIGINT (or, with --until-idle, until idle).
 
@@ -91,7 +110,10 @@ def worker(
     parallelism limits hold across all of them.
     """
     app = load_app(app_spec)
+    stop_metrics = None
     try:
+        if metrics_port is not None:
+            stop_metrics = serve.start_metrics(app, metrics_host, metrics_port)
         app.run_worker(
             pools=list(pools) or None,
             concurrency=concurrency,
@@ -100,6 +122,8 @@ def worker(
             shutdown_grace=shutdown_grace,
         )
     finally:
+        if stop_metrics is not None:
+            stop_metrics()
         app.close()
 
 
@@ -109,27 +133,80 @@ def worker(
     "--json",
     "as_json",
     is_flag=True,
-    help="Print the numbers of every pool as a JSON list instead of a table.",
+    help="Print the numbers of every pool as a JSON list (with --watch: one line per refresh).",
 )
-def status(app_spec: str, as_json: bool) -> None:
-    """Show APP's pools: limit, running, backlog, failure rate."""
-    from workpool.cli.status_view import redact, status_table
+@click.option("--watch", is_flag=True, help="Keep the table on screen, refreshed, until Ctrl-C.")
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    metavar="SECONDS",
+    default=1.0,
+    show_default=True,
+    help="With --watch: seconds between refreshes.",
+)
+def status(app_spec: str, as_json: bool, watch: bool, interval: float) -> None:
+    """Show APP's pools: limit, running, backlog, failure rate, start lag, and why work waits."""
+    with opened_app(app_spec) as app:
+        if not watch:
+            _print_status(app, as_json)
+            return
+        try:
+            if as_json:
+                while True:
+                    stats = _stats(app)
+                    click.echo(json.dumps({"time": app.clock(), "pools": stats}))
+                    time.sleep(interval)
+            _watch(app, interval)
+        except KeyboardInterrupt:
+            return
 
-    app = load_app(app_spec)
-    try:
-        stats = [pool.stats(window=STATUS_WINDOW_S) for pool in app.pools()]
-    finally:
-        app.close()
+
+def _stats(app: Any) -> list[dict[str, Any]]:
+    from workpool.dashboard import operator
+
+    return [s.to_dict() for s in operator.stats(app, STATUS_WINDOW_S)]
+
+
+def _print_status(app: Any, as_json: bool) -> None:
+    from rich.console import Console
+
+    from workpool.cli.status_view import health_table, status_table
+    from workpool.dashboard import operator
+
+    stats = operator.stats(app, STATUS_WINDOW_S)
     if as_json:
         click.echo(json.dumps([s.to_dict() for s in stats], indent=2))
         return
-    from rich.console import Console
-
     console = Console()
     if not stats:
-        console.print(f"no pools yet in {redact(app.url)}")
+        console.print(f"no pools yet in {operator.redact(app.url)}")
         return
-    console.print(status_table(stats, title=redact(app.url)))
+    console.print(status_table(stats, title=operator.redact(app.url)))
+    console.print()
+    console.print(health_table(stats))
+
+
+def _watch(app: Any, interval: float) -> None:
+    """A live table until Ctrl-C; on a pipe rich prints only the last one."""
+    from datetime import datetime
+
+    from rich.console import Console, Group
+    from rich.live import Live
+
+    from workpool.cli.status_view import health_table, status_table
+    from workpool.dashboard import operator
+
+    def render() -> Group:
+        stats = operator.stats(app, STATUS_WINDOW_S)
+        title = f"{operator.redact(app.url)}  {datetime.now():%H:%M:%S}  (Ctrl-C to stop)"
+        if not stats:
+            return Group(f"no pools yet  {title}")
+        return Group(status_table(stats, title=title), "", health_table(stats))
+
+    with Live(render(), console=Console(), auto_refresh=False) as live:
+        while True:
+            time.sleep(interval)
+            live.update(render(), refresh=True)
 
 
 def _fresh_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -177,3 +254,7 @@ def demo(db_path: str | None, items: int, seconds_limit: float | None) -> None:
     ok = run_demo(db_path=db_path, items=items, seconds_limit=seconds_limit)
     if not ok:
         raise click.exceptions.Exit(1)
+
+
+for command in (ops.inspect, ops.pause, ops.resume, ops.set_, ops.cancel, serve.dashboard):
+    main.add_command(command)

@@ -1,20 +1,14 @@
-"""The table `workpool status` prints: one row per pool."""
+"""What `workpool status` prints: the numbers of each pool, then why its backlog waits."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from urllib.parse import urlsplit
 
 from rich import box
 from rich.table import Table
 
+from workpool.dashboard.operator import duration, pool_note
 from workpool.observability.stats import PoolStats
-
-
-def redact(url: str) -> str:
-    """The URL without its password, for printing."""
-    password = urlsplit(url).password
-    return url.replace(f":{password}@", ":***@") if password else url
 
 
 def limit_text(stats: PoolStats) -> str:
@@ -52,5 +46,30 @@ def status_table(stats: Sequence[PoolStats], title: str | None = None) -> Table:
             str(s.scheduled),
             str(s.finished),
             failure_text(s),
+        )
+    return table
+
+
+def lag_text(seconds: float) -> str:
+    return duration(seconds) if seconds else "-"
+
+
+def health_table(stats: Sequence[PoolStats]) -> Table:
+    """Start lag percentiles (upper bounds of histogram buckets) and the pool's state in words."""
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True)
+    table.add_column("pool", style="bold", no_wrap=True)
+    table.add_column("start lag p50", justify="right", no_wrap=True)
+    table.add_column("p95", justify="right", no_wrap=True)
+    table.add_column("p99", justify="right", no_wrap=True)
+    table.add_column("why the backlog waits")
+    for s in stats:
+        note = pool_note(s)
+        style = "yellow" if s.paused or note.startswith("due work") else ""
+        table.add_row(
+            s.pool,
+            lag_text(s.start_lag_p50),
+            lag_text(s.start_lag_p95),
+            lag_text(s.start_lag_p99),
+            f"[{style}]{note}[/]" if style else note,
         )
     return table

@@ -13,6 +13,7 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from workpool.app import App
 from workpool.core.errors import InvalidArgumentError
@@ -39,6 +40,12 @@ class UnknownPoolError(InvalidArgumentError):
 
 class UnknownWorkError(InvalidArgumentError):
     """No work item with that id: never enqueued, or finished and expired."""
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for printing."""
+    password = urlsplit(url).password
+    return url.replace(f":{password}@", ":***@") if password else url
 
 
 def pools(app: App) -> list[Pool]:
@@ -91,13 +98,21 @@ def work_detail(app: App, work_id: str) -> WorkDetail:
     return WorkDetail(info, status, explain(status, info, app.clock()))
 
 
-def cancel_work(app: App, work_ids: list[str]) -> dict[str, bool]:
-    """Cancel each item in its own pool: True where this call changed something."""
-    changed: dict[str, bool] = {}
+def cancel_work(app: App, work_ids: list[str]) -> dict[str, str]:
+    """Cancel each item in its own pool: ``canceled``, ``not changed`` or ``unknown`` per id.
+
+    Not changed: finished, or running with its cancel already requested.
+    """
+    outcome: dict[str, str] = {}
     for work_id in work_ids:
         info = app.inspect(work_id)
-        changed[work_id] = info is not None and Pool(app, info.pool, {}).cancel(work_id)
-    return changed
+        if info is None:
+            outcome[work_id] = "unknown"
+        elif Pool(app, info.pool, {}).cancel(work_id):
+            outcome[work_id] = "canceled"
+        else:
+            outcome[work_id] = "not changed"
+    return outcome
 
 
 def status_to_dict(status: Status) -> dict[str, Any]:
@@ -149,21 +164,27 @@ def explain(status: Status, info: WorkInfo | None = None, now: float | None = No
             )
         case Running():
             return _explain_running(status, info, now)
-        case Finished(result=None):
+        case Finished():
+            return _explain_finished(status)
+    raise AssertionError(f"not a status: {status!r}")  # pragma: no cover
+
+
+def _explain_finished(status: Finished) -> str:
+    match status.result:
+        case None:
             return (
                 "unknown or expired: never enqueued here, or finished longer ago than the"
                 " pool's status_ttl (24 h by default)."
             )
-        case Finished(result=result, on_complete_error=handler_error):
-            text = {
-                "success": "finished: succeeded.",
-                "failed": f"finished: failed ({getattr(result, 'error', '')}).",
-                "canceled": "finished: canceled.",
-            }[result.kind]
-            if handler_error:
-                text += f" Its on_complete handler was given up: {handler_error}."
-            return text
-    raise AssertionError(f"not a status: {status!r}")  # pragma: no cover
+        case Success():
+            text = "finished: succeeded."
+        case Failed(error=error):
+            text = f"finished: failed ({error})."
+        case Canceled():
+            text = "finished: canceled."
+    if status.on_complete_error:
+        text += f" Its on_complete handler was given up: {status.on_complete_error}."
+    return text
 
 
 def _explain_running(status: Running, info: WorkInfo | None, now: float) -> str:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -110,12 +111,16 @@ class WorkpoolCollector:
         """Every stored pool, read in one transaction, with its totals brought up to date."""
         with self._lock:
             now = self.clock()
-            return self.app.run(lambda tx: self._sample(tx, now), readonly=True)
+            read = self.app.run(lambda tx: self._read(tx, now), readonly=True)
+            # Frozen totals advance only once the read committed (a retried body starts over).
+            for sample, acc in read:
+                self._pools[sample.config.name] = acc
+            return [sample for sample, _ in read]
 
-    def _sample(self, tx: Tx, now: float) -> list[PoolSample]:
+    def _read(self, tx: Tx, now: float) -> list[tuple[PoolSample, _Accumulated]]:
         store = self.app.store
         settled = int(now // 60) - SETTLE_MINUTES
-        samples = []
+        read = []
         for config in store.load_pools(tx):
             acc = self._pools.get(config.name) or _Accumulated(self.started_bucket, Counters())
             frozen, live = acc.frozen, Counters()
@@ -124,18 +129,10 @@ class WorkpoolCollector:
                     frozen = frozen + counters
                 else:
                     live = live + counters
-            # Committed only with the transaction's result (a retried body starts over).
-            tx.after_commit.append(self._freezer(config.name, max(acc.until, settled), frozen))
-            samples.append(
-                PoolSample(config, store.pool_counts(tx, config.name, now), frozen + live)
-            )
-        return samples
-
-    def _freezer(self, pool: str, until: int, frozen: Counters) -> Callable[[], None]:
-        def freeze() -> None:
-            self._pools[pool] = _Accumulated(until, frozen)
-
-        return freeze
+            counts = store.pool_counts(tx, config.name, now)
+            sample = PoolSample(config, counts, frozen + live)
+            read.append((sample, _Accumulated(max(acc.until, settled), frozen)))
+        return read
 
     def collect(self) -> Iterator[Metric]:
         started = time.perf_counter()
@@ -192,10 +189,8 @@ def lag_buckets(counts: tuple[int, ...]) -> list[tuple[str, float]]:
     return buckets
 
 
-def registry_for(app: App) -> object:
+def registry_for(app: App) -> CollectorRegistry:
     """A fresh ``CollectorRegistry`` holding only a WorkpoolCollector of ``app``."""
-    from prometheus_client import CollectorRegistry
-
     registry = CollectorRegistry(auto_describe=False)
     registry.register(WorkpoolCollector(app))
     return registry

@@ -29,7 +29,7 @@ from typing import Any
 from workpool.core.decide import AttemptOutcome, Raised, Succeeded
 from workpool.core.errors import describe_error, is_non_retryable
 from workpool.observability import events
-from workpool.runtime.completion import Changes, Completion
+from workpool.runtime.completion import Changes, Completion, HandlerRaised
 from workpool.runtime.context import RunInfo, reset_current, set_current
 from workpool.runtime.executor import Executor
 from workpool.runtime.maintenance import Maintenance
@@ -398,10 +398,20 @@ class Worker:
         """Record a batch of outcomes in one transaction; on a non-transient error,
         one transaction per item, so a single bad item cannot block the others."""
         delay = 0.05
+        optimistic = True
+        known: dict[str, tuple[str, str]] = {}
         while True:
             try:
-                self.store.run(partial(self._record_in, batch=batch))
+                self.store.run(
+                    partial(self._record_in, batch=batch, optimistic=optimistic, known=known)
+                )
                 return
+            except HandlerRaised as raised:
+                # That transaction rolled back whole: redo it with a savepoint per
+                # handler, recording this failure without calling the handler again.
+                optimistic = False
+                known[raised.work_id] = (raised.error, raised.trace)
+                continue
             except Exception as exc:
                 if self.force.is_set():
                     return  # leaving now: lease expiry hands these to a rescuer
@@ -423,9 +433,16 @@ class Worker:
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
-    def _record_in(self, tx: Tx, *, batch: list[tuple[ClaimedWork, AttemptOutcome, float]]) -> None:
+    def _record_in(
+        self,
+        tx: Tx,
+        *,
+        batch: list[tuple[ClaimedWork, AttemptOutcome, float]],
+        optimistic: bool = False,
+        known: dict[str, tuple[str, str]] | None = None,
+    ) -> None:
         now = self.clock()
-        changes = Changes()
+        changes = Changes(optimistic=optimistic, known_failures=dict(known or {}))
         rows = self.store.load_many_for_update(tx, [work.id for work, _, _ in batch])
         for work, outcome, duration in batch:
             current = rows.get(work.id)
