@@ -45,7 +45,7 @@ def check_args(args: object) -> dict[str, Any]:
 def check_name(name: object, what: str) -> str:
     if not isinstance(name, str):
         raise InvalidTypeError(f"{what} must be a str, got {type(name).__name__}")
-    if not NAME_RE.match(name):
+    if not NAME_RE.fullmatch(name):
         raise InvalidArgumentError(
             f"{what} {name!r:.80} is not valid: use 1-128 letters, digits, '_', '.', ':' or '-',"
             " starting with a letter or '_'"
@@ -60,7 +60,7 @@ def check_fn_name(name: object) -> str:
     """Function names: identifiers joined by '.', ':' (qualnames like ``f.<locals>.g`` too)."""
     if not isinstance(name, str):
         raise InvalidTypeError(f"function name must be a str, got {type(name).__name__}")
-    if not FN_NAME_RE.match(name):
+    if not FN_NAME_RE.fullmatch(name):
         raise InvalidArgumentError(
             f"function name {name!r:.80} is not valid: use 1-200 letters, digits,"
             " '_', '.', ':', '<', '>' or '-'"

@@ -57,7 +57,7 @@ class PostgresStore(SqlStore):
 
     def __init__(self, url: str, *, schema: str = "workpool") -> None:
         super().__init__()
-        if not SCHEMA_RE.match(schema):
+        if not SCHEMA_RE.fullmatch(schema):
             raise InvalidArgumentError(
                 f"schema {schema!r} is not valid: use 1-63 letters, digits or '_',"
                 " starting with a letter or '_'"
