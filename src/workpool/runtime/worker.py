@@ -34,7 +34,7 @@ from workpool.runtime.context import RunInfo, reset_current, set_current
 from workpool.runtime.executor import Executor
 from workpool.runtime.maintenance import Maintenance
 from workpool.runtime.registry import FnSpec, Registry
-from workpool.store.base import ClaimedWork, PoolConfig, Store, Tx, WorkerInfo
+from workpool.store.base import ClaimedWork, PoolConfig, Store, Tx, Watcher, WorkerInfo
 
 CLAIM_BATCH = 100  # attempts claimed per pool per transaction: bounds claim latency
 COMPLETE_BATCH = 64  # action outcomes recorded per transaction (group commit)
@@ -220,13 +220,17 @@ class Worker:
         return self.store.run(lambda tx: self.store.active_count(tx, active), readonly=True) == 0
 
     def _watch_loop(self) -> None:
+        watcher: Watcher | None = None
         while not self.stopping.is_set():
             try:
-                if self.store.wait_for_change(0.25):
+                watcher = watcher or self.store.watcher()
+                if watcher.wait(0.25):
                     self.wake.set()
             except Exception as exc:
                 events.worker_event("watch_failed", 30, error=describe_error(exc))
                 self.stopping.wait(1.0)
+        if watcher is not None:
+            watcher.close()
 
     # --- running attempts -------------------------------------------------------------------
     def _start(self, work: ClaimedWork) -> None:

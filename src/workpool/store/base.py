@@ -204,6 +204,17 @@ class WorkerInfo:
     pools: list[str] = field(default_factory=list)
 
 
+class Watcher(abc.ABC):
+    """Wakes a worker when another connection commits (notification or cheap probe)."""
+
+    @abc.abstractmethod
+    def wait(self, timeout: float) -> bool:
+        """Block up to ``timeout`` s for a change; True if one was (or may have been) seen."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
 class Store(abc.ABC):
     """Domain operations over the database; every state change is a compare-and-set."""
 
@@ -241,8 +252,8 @@ class Store(abc.ABC):
         """A Tx over a user's own driver connection, or None if it is not one of ours."""
 
     @abc.abstractmethod
-    def wait_for_change(self, timeout: float) -> bool:
-        """Block up to ``timeout`` s for another process's commit; True if one was seen."""
+    def watcher(self) -> Watcher:
+        """A new change watcher, owned by one thread (one per worker)."""
 
     @abc.abstractmethod
     def notify(self, tx: Tx, pools: Sequence[str]) -> None:

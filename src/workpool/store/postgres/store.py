@@ -15,7 +15,7 @@ import psycopg_pool
 from psycopg import errors as pg_errors
 
 from workpool.core.errors import InvalidArgumentError, StoreUnavailableError
-from workpool.store.base import Capabilities, Tx
+from workpool.store.base import Capabilities, Tx, Watcher
 from workpool.store.postgres.migrations import MIGRATIONS
 from workpool.store.sql import SqlStore
 
@@ -73,7 +73,6 @@ class PostgresStore(SqlStore):
             raise InvalidArgumentError(f"pool_size in {url!r} must be an int") from None
         self._conn_pool: psycopg_pool.ConnectionPool | None = None
         self._conn_pool_lock = threading.Lock()
-        self._listener: psycopg.Connection[Any] | None = None
         self._migrated = False
 
     # --- connections --------------------------------------------------------------------
@@ -152,9 +151,6 @@ class PostgresStore(SqlStore):
             if self._conn_pool is not None:
                 self._conn_pool.close()
                 self._conn_pool = None
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
 
     def adopt(self, connection: Any) -> Tx | None:
         if isinstance(connection, psycopg.Connection):
@@ -166,18 +162,8 @@ class PostgresStore(SqlStore):
         for pool in pools:
             tx.execute("SELECT pg_notify(%s, %s)", (self.channel, pool))
 
-    def wait_for_change(self, timeout: float) -> bool:
-        if self._listener is None or self._listener.closed:
-            self._listener = psycopg.connect(self.conninfo, autocommit=True)
-            self._listener.execute(f'LISTEN "{self.channel}"')
-            return True  # (re)connected: anything may have happened meanwhile
-        try:
-            for _ in self._listener.notifies(timeout=timeout, stop_after=1):
-                return True
-        except psycopg.Error:
-            self._listener.close()
-            raise
-        return False
+    def watcher(self) -> Watcher:
+        return _Listener(self.conninfo, self.channel)
 
     # --- dialect hooks ------------------------------------------------------------------
     def _lock_pool(self, tx: Tx, pool: str) -> None:
@@ -187,3 +173,29 @@ class PostgresStore(SqlStore):
     def _executemany(self, tx: Tx, sql: str, rows: list[tuple[Any, ...]]) -> None:
         with tx.connection.cursor() as cur:
             cur.executemany(sql, rows)
+
+
+class _Listener(Watcher):
+    """``LISTEN`` on the schema's channel, on a connection of its own (not pooled)."""
+
+    def __init__(self, conninfo: str, channel: str) -> None:
+        self.conninfo = conninfo
+        self.channel = channel
+        self.conn: psycopg.Connection[Any] | None = None
+
+    def wait(self, timeout: float) -> bool:
+        if self.conn is None or self.conn.closed:
+            self.conn = psycopg.connect(self.conninfo, autocommit=True)
+            self.conn.execute(f'LISTEN "{self.channel}"')
+            return True  # (re)connected: anything may have happened meanwhile
+        try:
+            for _ in self.conn.notifies(timeout=timeout, stop_after=1):
+                return True
+        except psycopg.Error:
+            self.conn.close()
+            raise
+        return False
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()

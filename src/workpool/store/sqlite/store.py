@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from workpool.core.errors import InvalidArgumentError, StoreUnavailableError
-from workpool.store.base import Capabilities, Tx
+from workpool.store.base import Capabilities, Tx, Watcher
 from workpool.store.sql import SqlStore
 from workpool.store.sqlite.migrations import MIGRATIONS
 
@@ -35,8 +35,6 @@ class SqliteStore(SqlStore):
         self._connections: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
         self._writer = threading.Lock()
-        self._probe: sqlite3.Connection | None = None
-        self._seen_version: int | None = None
         self._migrated = False
 
     def _connect(self) -> sqlite3.Connection:
@@ -89,7 +87,6 @@ class SqliteStore(SqlStore):
                 conn.close()
             self._connections.clear()
         self._local = threading.local()
-        self._probe = None
 
     def _begin(self, readonly: bool) -> tuple[Any, Callable[[bool], None]]:
         conn = self._connection()
@@ -142,18 +139,31 @@ class SqliteStore(SqlStore):
     def notify(self, tx: Tx, pools: Any) -> None:
         """Other processes notice any commit through ``data_version``; nothing to send."""
 
-    def wait_for_change(self, timeout: float) -> bool:
-        if self._probe is None:
-            self._probe = self._connect()
+    def watcher(self) -> Watcher:
+        return _VersionProbe(self._connect())
+
+
+class _VersionProbe(Watcher):
+    """Polls ``PRAGMA data_version``, which changes when another connection commits."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+        self.seen = self._version()
+
+    def _version(self) -> int:
+        return int(self.conn.execute("PRAGMA data_version").fetchone()[0])
+
+    def wait(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         while True:
-            version = int(self._probe.execute("PRAGMA data_version").fetchone()[0])
-            if self._seen_version is None:
-                self._seen_version = version
-            elif version != self._seen_version:
-                self._seen_version = version
+            version = self._version()
+            if version != self.seen:
+                self.seen = version
                 return True
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
             time.sleep(min(CHANGE_POLL_S, remaining))
+
+    def close(self) -> None:
+        self.conn.close()
