@@ -25,6 +25,7 @@ class Executor:
         for thread in self._threads:
             thread.start()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks_alive: set[asyncio.Task[None]] = set()
         self._loop_lock = threading.Lock()
         self._name = name
 
@@ -38,7 +39,8 @@ class Executor:
     def submit(self, task: Callable[[], None]) -> None:
         self._tasks.put(task)
 
-    def submit_async(self, coro: Coroutine[Any, Any, None]) -> None:
+    def submit_async(self, coros: list[Coroutine[Any, Any, None]]) -> None:
+        """Start coroutines on the loop thread: one cross-thread wake-up per batch."""
         with self._loop_lock:
             if self._loop is None:
                 loop = asyncio.new_event_loop()
@@ -46,7 +48,16 @@ class Executor:
                     target=loop.run_forever, name=f"{self._name}-async", daemon=True
                 ).start()
                 self._loop = loop
-        asyncio.run_coroutine_threadsafe(coro, self._loop)
+        loop = self._loop
+
+        def start() -> None:
+            for coro in coros:
+                task = loop.create_task(coro)
+                # The loop keeps only weak references to tasks: hold them until done.
+                self._tasks_alive.add(task)
+                task.add_done_callback(self._tasks_alive.discard)
+
+        loop.call_soon_threadsafe(start)
 
     def shutdown(self) -> None:
         for _ in self._threads:

@@ -20,7 +20,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from functools import partial
 from types import FrameType
@@ -165,8 +165,10 @@ class Worker:
         if free <= 0:
             return IDLE_POLL_S  # a finishing attempt wakes us
         claimed = self._claim(free)
-        for work in claimed:
-            self._start(work)
+        coros = [c for c in (self._start(work) for work in claimed) if c is not None]
+        if coros:
+            assert self.executor is not None
+            self.executor.submit_async(coros)
         if claimed:
             return 0.0
         if self.options.until_idle and self._idle():
@@ -233,7 +235,8 @@ class Worker:
             watcher.close()
 
     # --- running attempts -------------------------------------------------------------------
-    def _start(self, work: ClaimedWork) -> None:
+    def _start(self, work: ClaimedWork) -> Coroutine[Any, Any, None] | None:
+        """Hand ``work`` to the executor; an async action comes back as a coroutine to start."""
         assert self.executor is not None
         deadline = None if work.timeout is None else time.monotonic() + work.timeout
         with self._lock:
@@ -257,7 +260,7 @@ class Worker:
                 0.0,
             )
             self._release(work)
-            return
+            return None
         try:
             args = json.loads(work.args)
             if not isinstance(args, dict):
@@ -265,13 +268,14 @@ class Worker:
         except ValueError as exc:
             self._report(work, Raised(f"stored args are corrupt: {exc}", retryable=False), 0.0)
             self._release(work)
-            return
-        if work.kind != "action":
-            self.executor.submit(lambda: self._run_in_tx(spec, work, args))
-        elif spec.is_async:
-            self.executor.submit_async(self._run_async(spec, work, args))
-        else:
+            return None
+        if work.kind == "action" and spec.is_async:
+            return self._run_async(spec, work, args)
+        if work.kind == "action":
             self.executor.submit(lambda: self._run_sync(spec, work, args))
+        else:
+            self.executor.submit(lambda: self._run_in_tx(spec, work, args))
+        return None
 
     def _info(self, work: ClaimedWork) -> RunInfo:
         return RunInfo(work.id, work.pool, work.fn_name, work.attempt)
