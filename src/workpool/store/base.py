@@ -187,15 +187,6 @@ class Counters:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class Capabilities:
-    """What a store can do; the runtime branches on these, never on the store's type."""
-
-    notifications: bool  # push wake-ups across processes (LISTEN/NOTIFY)
-    skip_locked: bool  # claimers on many connections skip each other's rows
-    change_polling: bool  # a cheap "did anything commit?" probe (SQLite data_version)
-
-
 @dataclass(slots=True)
 class WorkerInfo:
     id: str
@@ -218,7 +209,6 @@ class Watcher(abc.ABC):
 class Store(abc.ABC):
     """Domain operations over the database; every state change is a compare-and-set."""
 
-    capabilities: Capabilities
     url: str
 
     # --- lifecycle and transactions -------------------------------------------------

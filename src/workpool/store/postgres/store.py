@@ -15,7 +15,7 @@ import psycopg_pool
 from psycopg import errors as pg_errors
 
 from workpool.core.errors import InvalidArgumentError, StoreUnavailableError
-from workpool.store.base import Capabilities, Tx, Watcher
+from workpool.store.base import Tx, Watcher
 from workpool.store.postgres.migrations import MIGRATIONS
 from workpool.store.sql import SqlStore
 
@@ -50,7 +50,6 @@ def split_url(url: str) -> tuple[str, dict[str, str]]:
 
 
 class PostgresStore(SqlStore):
-    capabilities = Capabilities(notifications=True, skip_locked=True, change_polling=False)
     param = "%s"
     for_update = " FOR UPDATE"
     skip_locked = " FOR UPDATE SKIP LOCKED"

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from workpool.core.errors import InvalidArgumentError, StoreUnavailableError
-from workpool.store.base import Capabilities, Tx, Watcher
+from workpool.store.base import Tx, Watcher
 from workpool.store.sql import SqlStore
 from workpool.store.sqlite.migrations import MIGRATIONS
 
@@ -23,7 +23,6 @@ CHANGE_POLL_S = 0.002  # data_version probe interval while idle: ~2 ms wake-up l
 
 
 class SqliteStore(SqlStore):
-    capabilities = Capabilities(notifications=False, skip_locked=False, change_polling=True)
 
     def __init__(self, path: str, *, synchronous: str = "NORMAL") -> None:
         super().__init__()
