@@ -55,18 +55,21 @@ def dashboard(app_spec: str, host: str, port: int, token: str | None) -> None:
             raise CliError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
         local = is_loopback(host)
         url = url_of(sock)
-        click.echo(f"workpool dashboard of {redact(app.url)}")
-        click.echo(f"  open   {url}/#token={token}")
-        click.echo(f"  token  {token}")
-        if local:
-            click.echo("  reads are open on this loopback address; changes need the token")
-        else:
-            click.echo(
-                "  listening beyond loopback: every read and change needs the token;"
-                " put TLS in front (plain HTTP shows the token to the network)"
-            )
-        click.echo(f"  metrics {url}/metrics   (Ctrl-C to stop)", nl=True)
-        serve(create_app(app, token, open_reads=local), sock)
+
+        def announce() -> None:
+            click.echo(f"workpool dashboard of {redact(app.url)}")
+            click.echo(f"  open   {url}/#token={token}")
+            click.echo(f"  token  {token}")
+            if local:
+                click.echo("  reads are open on this loopback address; changes need the token")
+            else:
+                click.echo(
+                    "  listening beyond loopback: every read and change needs the token;"
+                    " put TLS in front (plain HTTP shows the token to the network)"
+                )
+            click.echo(f"  metrics {url}/metrics   (Ctrl-C to stop)")
+
+        serve(create_app(app, token, open_reads=local), sock, announce=announce)
 
 
 def start_metrics(app: App, host: str, port: int) -> Callable[[], None]:

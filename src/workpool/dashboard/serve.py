@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import socket
 import threading
+from collections.abc import Callable
 
 import uvicorn
 from starlette.applications import Starlette
@@ -35,17 +36,34 @@ def url_of(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def serve(app: Starlette, sock: socket.socket, *, log_level: str = "warning") -> None:
-    """Run until SIGINT/SIGTERM; then stop gracefully and return (no exception, no signal)."""
+def serve(
+    app: Starlette,
+    sock: socket.socket,
+    *,
+    announce: Callable[[], None] | None = None,
+    log_level: str = "warning",
+) -> None:
+    """Run until SIGINT/SIGTERM; then stop gracefully and return (no exception, no signal).
+
+    ``announce`` runs once the signals are handled, so a signal sent as soon as
+    the address is printed still stops the server gracefully.
+    """
     server = uvicorn.Server(
         uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on")
     )
-    # uvicorn re-raises the signal that stopped it once it is done; ignored here, so
-    # Ctrl-C or SIGTERM ends the command normally instead of with a traceback.
+
+    def stop(signum: int, frame: object) -> None:
+        server.should_exit = True
+
+    # uvicorn installs its own handlers while it runs and re-raises the signal that
+    # stopped it when done: these handlers catch it before and after, so Ctrl-C or
+    # SIGTERM ends the command normally instead of with a traceback or a signal.
     saved = {}
     if threading.current_thread() is threading.main_thread():
-        saved = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+        saved = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        if announce is not None:
+            announce()
         server.run(sockets=[sock])
     finally:
         for sig, handler in saved.items():

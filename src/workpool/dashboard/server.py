@@ -20,6 +20,7 @@ import json
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -40,7 +41,7 @@ from workpool.dashboard.sampler import INTERVAL_S, Sampler
 from workpool.observability.metrics import registry_for
 from workpool.observability.stats import PoolStats
 
-STATIC = operator.__file__.rsplit("/", 1)[0] + "/static"
+STATIC = str(Path(__file__).with_name("static"))  # shipped in the wheel: no CDN
 STATS_WINDOW_S = 3600.0  # failure rate and start lag on the pool table: the last hour
 CHART_MINUTES = 30  # default span of the charts
 FAILURES_SHOWN = 20
