@@ -50,7 +50,14 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-SCREENSHOTS = Path(__file__).resolve().parent.parent / "docs" / "img"
+# The screenshots of docs/operations.md; a normal run writes them to a temporary
+# folder so it leaves the tree clean: WORKPOOL_UPDATE_SCREENSHOTS=1 refreshes the docs.
+SCREENSHOTS = (
+    Path(__file__).resolve().parent.parent / "docs" / "img"
+    if os.environ.get("WORKPOOL_UPDATE_SCREENSHOTS") == "1"
+    else Path(os.environ.get("TMPDIR", "/tmp")) / "workpool-screenshots"
+)
+SCREENSHOTS.mkdir(parents=True, exist_ok=True)
 
 
 @contextmanager
