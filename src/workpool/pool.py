@@ -99,21 +99,30 @@ class Pool:
     def _config(self, tx: Tx) -> PoolConfig:
         store = self.app.store
         stored = store.load_pool(tx, self.name)
-        config = stored or PoolConfig(self.name)
         if not self._applied or stored is None:
-            wanted = PoolConfig(**{**_fields(config), **self._options})
+            wanted = self._overlay(stored or PoolConfig(self.name))
             if wanted != stored:
                 store.save_pool(tx, wanted)
             tx.after_commit.append(self._mark_applied)
             return wanted
-        return config
+        return stored
+
+    def _overlay(self, stored: PoolConfig) -> PoolConfig:
+        """``stored`` with this Pool's options; a run-time pause outlives a declared limit.
+
+        A worker restarting with ``app.pool("x", max_parallelism=10)`` must not undo
+        an operator's ``pause()``: the declared limit becomes the one ``resume()``
+        restores.
+        """
+        wanted = PoolConfig(**{**_fields(stored), **self._options})
+        if stored.paused_from is not None and wanted.max_parallelism > 0:
+            wanted = replace(wanted, max_parallelism=0, paused_from=wanted.max_parallelism)
+        return wanted
 
     def _view(self, tx: Tx) -> PoolConfig:
         """The config as it is or will be once this Pool's options apply; writes nothing."""
         stored = self.app.store.load_pool(tx, self.name) or PoolConfig(self.name)
-        if self._applied:
-            return stored
-        return PoolConfig(**{**_fields(stored), **self._options})
+        return stored if self._applied else self._overlay(stored)
 
     def _mark_applied(self) -> None:
         self._applied = True
