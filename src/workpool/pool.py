@@ -349,7 +349,9 @@ class Pool:
         handler = None
         if on_complete is not None:
             handler = registry.lookup(on_complete, "mutation", "on_complete").name
-        context_json = encode_json(context, "context") if handler is not None else None
+        # Checked even without a handler (bad input is an error), but only stored for one.
+        checked_context = encode_json(context, "context")
+        context_json = checked_context if handler is not None else None
         if kind == "action":
             resolve_retry(retry, default=RetryBehavior(), retry_by_default=False)
         timeout_s = check_timeout(timeout)

@@ -285,7 +285,7 @@ class Worker:
         started = time.monotonic()
         try:
             outcome = _returned(spec.fn(**args))
-        except Exception as exc:
+        except BaseException as exc:  # SystemExit from user code too: never stall the pool
             outcome = Raised(describe_error(exc), retryable=not is_non_retryable(exc))
         finally:
             reset_current(token)
@@ -306,7 +306,7 @@ class Worker:
                     if time.monotonic() - started < work.timeout:
                         raise
                     outcome = _timed_out(work.timeout)
-        except Exception as exc:
+        except BaseException as exc:  # never leave the attempt unreported
             outcome = Raised(describe_error(exc), retryable=not is_non_retryable(exc))
         finally:
             reset_current(token)
@@ -326,7 +326,7 @@ class Worker:
                 # A query's writes are discarded: it reads, its value goes to on_complete.
                 with self.store.savepoint(tx, keep=spec.kind == "mutation"):
                     outcome: AttemptOutcome = _returned(spec.fn(tx, **args))
-            except Exception as exc:
+            except BaseException as exc:
                 if self.store.is_transient(exc):
                     raise  # the whole transaction is retried
                 outcome = Raised(describe_error(exc), retryable=False)

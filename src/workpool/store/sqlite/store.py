@@ -66,6 +66,9 @@ class SqliteStore(SqlStore):
         if self._migrated:
             return
         conn = self._connection()
+        if conn.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS):
+            self._migrated = True  # current: no need to wait for the write lock
+            return
         conn.execute("BEGIN IMMEDIATE")
         try:
             version = conn.execute("PRAGMA user_version").fetchone()[0]

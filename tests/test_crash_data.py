@@ -1,0 +1,192 @@
+"""PRODUCT.md §4 and the fencing lesson, tested *as data*: seed the rows a dead (or late)
+worker leaves behind, then let a real worker deal with them.
+
+These tests write the store's own tables (``work``, ``workers``) with plain SQL
+through ``app.transaction()``, so they know the column names of the schema
+(``state``, ``attempt``, ``worker_id``, ``started_at``, ``expires_at``): when the
+schema changes, update ``seed_running`` / ``set_worker``.  The process-level
+twins are in test_processes.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import workpool
+from conftest import (
+    Recorder,
+    background_worker,
+    holds_for,
+    pg_schema_of,
+    ph,
+    run_until_idle,
+    wait_for,
+)
+from workpool import RetryBehavior
+
+pytestmark = pytest.mark.timeout(60)
+
+FAST = RetryBehavior(max_attempts=3, initial_backoff=0.01)
+
+
+def table(store_url: str, name: str) -> str:
+    schema = pg_schema_of(store_url)
+    return f'"{schema}".{name}' if schema else name
+
+
+def set_worker(app, store_url: str, worker_id: str, expires_in: float) -> None:
+    """Insert or update a worker row whose lease ends ``expires_in`` s from now."""
+    p = ph(store_url)
+    now = time.time()
+    workers = table(store_url, "workers")
+    with app.transaction() as tx:
+        tx.execute(f"DELETE FROM {workers} WHERE id = {p}", (worker_id,))
+        tx.execute(
+            f"INSERT INTO {workers} (id, host, pid, pools, started_at, heartbeat_at, expires_at)"
+            f" VALUES ({p}, {p}, {p}, {p}, {p}, {p}, {p})",
+            (worker_id, "ghost-host", 999_999, "", now - 60, now - 60, now + expires_in),
+        )
+
+
+def seed_running(app, store_url: str, wid: str, attempt: int, worker_id: str) -> None:
+    """Make ``wid`` look claimed (attempt ``attempt``) by ``worker_id``."""
+    p = ph(store_url)
+    with app.transaction() as tx:
+        cur = tx.execute(
+            f"UPDATE {table(store_url, 'work')} SET state = 'running', attempt = {p},"
+            f" worker_id = {p}, started_at = {p} WHERE id = {p}",
+            (attempt, worker_id, time.time() - 5, wid),
+        )
+        assert cur.rowcount == 1
+
+
+@pytest.fixture
+def fns(app, rec: Recorder, user_table):
+    @app.action(name="job")
+    def job(i: int = 0) -> int:
+        rec.add(kind="job", attempt=workpool.current().attempt, i=i)
+        return i
+
+    @app.mutation(name="write")
+    def write(tx, key: str) -> str:
+        rec.add(kind="write", attempt=workpool.current().attempt)
+        user_table.insert(tx, key)
+        return key
+
+    @app.mutation(name="record")
+    def record(tx, work_id, context, result):
+        rec.add(kind="done", work_id=work_id, result=result)
+        user_table.insert(tx, f"done:{work_id}")
+
+    return {"job": job, "write": write, "record": record}
+
+
+def test_lost_action_attempt_counts_as_failed_and_is_retried(app, store_url, fns, rec):
+    pool = app.pool("crash")
+    wid = pool.enqueue_action(fns["job"], {"i": 1}, retry=FAST, on_complete=fns["record"])
+    set_worker(app, store_url, "dead-worker", expires_in=-10)
+    seed_running(app, store_url, wid, 1, "dead-worker")
+    assert pool.status(wid).state == "running"
+
+    run_until_idle(app, lease=1.0)
+    assert [(c["kind"], c.get("attempt")) for c in rec.calls] == [("job", 2), ("done", None)]
+    status = pool.status(wid)
+    assert status == workpool.Finished(workpool.Success(1))
+
+
+def test_lost_action_without_retry_fails_with_on_complete_once(app, store_url, fns, rec):
+    pool = app.pool("crash")
+    wid = pool.enqueue_action(fns["job"], on_complete=fns["record"])
+    # no worker row at all: a vanished worker
+    seed_running(app, store_url, wid, 1, "vanished-worker")
+    run_until_idle(app, lease=1.0)
+    assert rec.count(kind="job") == 0
+    done = [c for c in rec.calls if c["kind"] == "done"]
+    assert len(done) == 1
+    assert done[0]["result"].kind == "failed"
+    assert pool.status(wid).result == done[0]["result"]
+
+
+def test_lost_mutation_runs_again_with_effect_once(app, store_url, fns, rec, user_table):
+    pool = app.pool("crash")
+    wid = pool.enqueue_mutation(fns["write"], {"key": "k"}, on_complete=fns["record"])
+    seed_running(app, store_url, wid, 1, "vanished-worker")
+    run_until_idle(app, lease=1.0)
+    assert [c["attempt"] for c in rec.calls if c["kind"] == "write"] == [2]
+    assert user_table.rows() == [("done:" + wid, None), ("k", None)]
+    assert pool.status(wid) == workpool.Finished(workpool.Success("k"))
+
+
+def test_live_lease_is_respected_then_expiry_rescues(app, store_url, fns, rec):
+    pool = app.pool("crash")
+    wid = pool.enqueue_action(fns["job"], retry=FAST)
+    set_worker(app, store_url, "slow-but-alive", expires_in=600)
+    seed_running(app, store_url, wid, 1, "slow-but-alive")
+    with background_worker(app, lease=1.0):
+        holds_for(lambda: pool.status(wid).state == "running", 1.5)
+        assert rec.calls == []
+        set_worker(app, store_url, "slow-but-alive", expires_in=-1)
+        wait_for(lambda: pool.status(wid).state == "finished", timeout=10)
+    assert pool.status(wid).result == workpool.Success(0)
+    assert [c["attempt"] for c in rec.calls] == [2]
+
+
+def test_lost_work_waits_for_a_free_slot(app, store_url, fns, rec):
+    pool = app.pool("crash", max_parallelism=1)
+    lost = pool.enqueue_action(fns["job"], {"i": 1}, retry=FAST)
+    other = pool.enqueue_action(fns["job"], {"i": 2})
+    seed_running(app, store_url, lost, 1, "vanished-worker")
+    # The lost attempt holds the only slot until it is detected.
+    assert pool.status(other).reason == "waiting_for_slot"
+    run_until_idle(app, lease=1.0)
+    assert sorted(c["i"] for c in rec.calls) == [1, 2]
+
+
+def test_stale_completion_of_an_old_attempt_changes_nothing(app, store_url, rec, user_table):
+    """A worker finishing attempt 1 after its work was re-claimed as attempt 2 is fenced."""
+    started = threading.Event()
+    release = threading.Event()
+
+    @app.action(name="late")
+    def late() -> str:
+        attempt = workpool.current().attempt
+        rec.add(kind="late", attempt=attempt)
+        if attempt == 1:
+            started.set()
+            release.wait(20)
+            return "stale result"
+        return "fresh result"
+
+    @app.mutation(name="record")
+    def record(tx, work_id, context, result):
+        rec.add(kind="done", result=result)
+
+    pool = app.pool("fence")
+    wid = pool.enqueue_action(
+        late, retry=RetryBehavior(max_attempts=5, initial_backoff=0.01), on_complete=record
+    )
+    try:
+        with background_worker(app, lease=1.0):
+            assert started.wait(10)
+            # Meanwhile "another worker" took over: attempt 2, alive.
+            set_worker(app, store_url, "new-owner", expires_in=600)
+            seed_running(app, store_url, wid, 2, "new-owner")
+            release.set()
+            holds_for(lambda: pool.status(wid).state == "running", 1.0)
+            status = pool.status(wid)
+            assert status.attempt == 2, status
+            assert rec.count(kind="done") == 0, "the stale completion ran on_complete"
+            assert pool.stats().completed == 0, "the stale completion was counted"
+            # The new owner dies: its attempt 2 is lost, attempt 3 runs here.
+            set_worker(app, store_url, "new-owner", expires_in=-1)
+            final = wait_for(lambda: (s := pool.status(wid)).state == "finished" and s, 10)
+    finally:
+        release.set()
+    assert final.result == workpool.Success("fresh result")
+    assert [c["attempt"] for c in rec.calls if c["kind"] == "late"] == [1, 3]
+    assert [c["result"] for c in rec.calls if c["kind"] == "done"] == [
+        workpool.Success("fresh result")
+    ]

@@ -1,0 +1,209 @@
+"""PRODUCT.md §9: structured events on the ``workpool`` logger, filtered by the pool's level."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from conftest import background_worker, run_until_idle, wait_for
+from workpool import RetryBehavior
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def events_of(caplog, event: str | None = None, pool: str | None = None) -> list[dict]:
+    out = []
+    for record in list(caplog.records):
+        if record.name != "workpool" and not record.name.startswith("workpool."):
+            continue
+        try:
+            data = json.loads(record.getMessage())
+        except ValueError:
+            continue
+        if not isinstance(data, dict):
+            continue
+        data["_levelno"] = record.levelno
+        if event is not None and data.get("event") != event:
+            continue
+        if pool is not None and data.get("pool") != pool:
+            continue
+        out.append(data)
+    return out
+
+
+def test_custom_levels_exist():
+    import workpool  # noqa: F401  (registers the level names)
+
+    assert logging.getLevelName("REPORT") == 25
+    assert logging.getLevelName("TRACE") == 15
+    assert logging.getLevelName(25) == "REPORT"
+    assert logging.DEBUG < 15 < logging.INFO < 25 < logging.WARNING
+
+
+def test_every_record_is_one_json_object_tagged_workpool(app, caplog):
+    caplog.set_level(logging.DEBUG)
+
+    @app.action(name="job")
+    def job() -> int:
+        return 1
+
+    pool = app.pool("logs", log_level="INFO")
+    pool.enqueue_action(job)
+    run_until_idle(app)
+    records = [r for r in caplog.records if r.name == "workpool" or r.name.startswith("workpool.")]
+    assert records
+    for record in records:
+        data = json.loads(record.getMessage())
+        assert isinstance(data, dict)
+        assert data["component"] == "workpool"
+        assert isinstance(data["event"], str)
+
+
+def test_info_level_logs_enqueued_started_completed(app, caplog):
+    caplog.set_level(logging.DEBUG)
+
+    @app.action(name="job")
+    def job(i: int) -> int:
+        return i
+
+    pool = app.pool("chatty", log_level="INFO")
+    wid = pool.enqueue_action(job, {"i": 1})
+    run_until_idle(app)
+
+    enq = [e for e in events_of(caplog, "enqueued") if e.get("work_id") == wid]
+    started = [e for e in events_of(caplog, "started") if e.get("work_id") == wid]
+    completed = [e for e in events_of(caplog, "completed") if e.get("work_id") == wid]
+    assert len(enq) == 1 and len(started) == 1 and len(completed) == 1
+    assert enq[0]["pool"] == "chatty"
+    assert isinstance(started[0]["start_lag"], int | float)
+    assert started[0]["start_lag"] >= -0.5
+    assert completed[0]["status"] == "success"
+    assert completed[0]["attempts"] == 1
+    assert isinstance(completed[0]["duration"], int | float)
+    assert completed[0]["duration"] >= 0
+
+
+def test_completed_events_report_retrying_failed_canceled(app, caplog):
+    caplog.set_level(logging.DEBUG)
+
+    @app.action(name="bad")
+    def bad() -> None:
+        raise RuntimeError("nope")
+
+    pool = app.pool("chatty", log_level="INFO")
+    failing = pool.enqueue_action(bad, retry=RetryBehavior(max_attempts=2, initial_backoff=0.01))
+    canceled = pool.enqueue_action(bad, run_after=60)
+    pool.cancel(canceled)
+    run_until_idle(app)
+    statuses = [e["status"] for e in events_of(caplog, "completed") if e["work_id"] == failing]
+    assert statuses == ["retrying", "failed"]
+    attempts = [e["attempts"] for e in events_of(caplog, "completed") if e["work_id"] == failing]
+    assert attempts == [1, 2]
+    assert [e["status"] for e in events_of(caplog, "completed") if e["work_id"] == canceled] == [
+        "canceled"
+    ]
+
+
+def test_report_level_prints_only_reports(app, caplog):
+    caplog.set_level(logging.DEBUG)
+
+    @app.action(name="job")
+    def job() -> None:
+        pass
+
+    pool = app.pool("quiet")  # default level REPORT
+    pool.enqueue_action_batch(job, [{}, {}])
+    run_until_idle(app)
+    for name in ("enqueued", "started", "completed"):
+        assert events_of(caplog, name, pool="quiet") == [], name
+
+
+def test_log_level_is_per_pool(app, caplog):
+    caplog.set_level(logging.DEBUG)
+
+    @app.action(name="job")
+    def job() -> None:
+        pass
+
+    loud = app.pool("loud", log_level="INFO")
+    quiet = app.pool("quiet", log_level="REPORT")
+    lw = loud.enqueue_action(job)
+    qw = quiet.enqueue_action(job)
+    run_until_idle(app)
+    assert [e for e in events_of(caplog, "completed") if e["work_id"] == lw]
+    assert not [e for e in events_of(caplog) if e.get("work_id") == qw]
+
+
+def test_log_level_change_at_run_time_is_stored(app, store_url, caplog):
+    import workpool
+
+    caplog.set_level(logging.DEBUG)
+
+    @app.action(name="job")
+    def job() -> None:
+        pass
+
+    pool = app.pool("switch")
+    pool.enqueue_action(job)
+    run_until_idle(app)
+    assert events_of(caplog, "completed", pool="switch") == []
+    other = workpool.App(store_url)
+    try:
+        other.pool("switch").configure(log_level="INFO")
+    finally:
+        other.close()
+    wid = pool.enqueue_action(job)
+    run_until_idle(app)
+    assert [e for e in events_of(caplog, "completed") if e["work_id"] == wid]
+
+
+def test_periodic_report_has_the_documented_numbers(app, caplog):
+    caplog.set_level(logging.DEBUG)
+
+    @app.action(name="job")
+    def job() -> None:
+        pass
+
+    pool = app.pool("reported", max_parallelism=0)  # paused: the backlog stays
+    pool.enqueue_action_batch(job, [{}, {}, {}])
+    with background_worker(app):
+        reports = wait_for(lambda: events_of(caplog, "report", pool="reported"), timeout=10)
+    report = reports[0]
+    for field in (
+        "backlog",
+        "running",
+        "completed",
+        "succeeded",
+        "failed",
+        "retries",
+        "canceled",
+        "failure_rate",
+        "permanent_failure_rate",
+    ):
+        assert field in report, field
+    assert report["backlog"] == 3
+    assert report["running"] == 0
+    assert report["_levelno"] == 25
+    pool.cancel_all()
+
+
+def test_start_lag_is_start_time_minus_due_time(app, caplog):
+    import time
+
+    caplog.set_level(logging.DEBUG)
+
+    @app.action(name="job")
+    def job() -> None:
+        pass
+
+    pool = app.pool("lagging", log_level="INFO", max_parallelism=0)
+    wid = pool.enqueue_action(job)
+    due = pool.status(wid).due_at
+    wait_for(lambda: time.time() > due + 0.5)  # due, but the pool is paused
+    pool.configure(max_parallelism=1)
+    run_until_idle(app)
+    started = [e for e in events_of(caplog, "started") if e["work_id"] == wid]
+    assert len(started) == 1
+    assert 0.5 <= started[0]["start_lag"] < 10

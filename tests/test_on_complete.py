@@ -1,0 +1,544 @@
+"""PRODUCT.md §3: on_complete exactly once, in the finishing transaction; mutations; queries."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import workpool
+from conftest import Recorder, background_worker, run_until_idle, wait_for
+from workpool import NonRetryableError, RetryBehavior
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_on_complete_gets_success_with_context_exactly_once(app, rec: Recorder, user_table):
+    @app.action(name="add")
+    def add(a: int, b: int) -> int:
+        return a + b
+
+    @app.mutation(name="record")
+    def record(tx, work_id, context, result):
+        rec.add(work_id=work_id, context=context, result=result)
+        user_table.insert(tx, work_id, result.kind)
+
+    pool = app.pool("oc")
+    wid = pool.enqueue_action(add, {"a": 2, "b": 3}, on_complete=record, context={"user": 7})
+    run_until_idle(app)
+
+    assert len(rec.calls) == 1
+    call = rec.calls[0]
+    assert call["work_id"] == wid
+    assert call["context"] == {"user": 7}
+    assert call["result"] == workpool.Success(5)
+    assert call["result"].kind == "success"
+    assert user_table.rows() == [(wid, "success")]
+    assert pool.status(wid) == workpool.Finished(workpool.Success(5))
+
+
+def test_on_complete_gets_failed_with_error(app, rec: Recorder):
+    @app.action(name="explode")
+    def explode() -> None:
+        raise KeyError("missing thing")
+
+    @app.mutation(name="record")
+    def record(tx, work_id, context, result):
+        rec.add(result=result, context=context)
+
+    pool = app.pool("oc")
+    wid = pool.enqueue_action(explode, on_complete=record)
+    run_until_idle(app)
+    assert len(rec.calls) == 1
+    result = rec.calls[0]["result"]
+    assert isinstance(result, workpool.Failed)
+    assert "missing thing" in result.error
+    assert rec.calls[0]["context"] is None
+    assert pool.status(wid).result == result
+
+
+def test_on_complete_once_after_retries(app, rec: Recorder):
+    @app.action(name="flaky")
+    def flaky() -> int:
+        if workpool.current().attempt < 3:
+            raise RuntimeError("not yet")
+        return workpool.current().attempt
+
+    @app.mutation(name="record")
+    def record(tx, work_id, context, result):
+        rec.add(result=result)
+
+    pool = app.pool("oc")
+    pool.enqueue_action(
+        flaky, on_complete=record, retry=RetryBehavior(max_attempts=4, initial_backoff=0.01)
+    )
+    run_until_idle(app)
+    assert [c["result"] for c in rec.calls] == [workpool.Success(3)]
+
+
+def test_on_complete_for_every_item_of_a_batch(app, rec: Recorder):
+    @app.action(name="square")
+    def square(x: int) -> int:
+        if x == 3:
+            raise NonRetryableError("three is bad")
+        return x * x
+
+    @app.mutation(name="record")
+    def record(tx, work_id, context, result):
+        rec.add(work_id=work_id, result=result, context=context)
+
+    pool = app.pool("oc")
+    wids = pool.enqueue_action_batch(
+        square, [{"x": i} for i in range(6)], on_complete=record, context="batch-ctx"
+    )
+    run_until_idle(app)
+    by_id = {c["work_id"]: c for c in rec.calls}
+    assert len(rec.calls) == 6
+    assert set(by_id) == set(wids)
+    for i, wid in enumerate(wids):
+        assert by_id[wid]["context"] == "batch-ctx"
+        if i == 3:
+            assert by_id[wid]["result"].kind == "failed"
+        else:
+            assert by_id[wid]["result"] == workpool.Success(i * i)
+
+
+def test_status_is_running_until_on_complete_commits(app, store_url, rec: Recorder):
+    seen: list[object] = []
+    other = workpool.App(store_url)
+    assert other.pool("oc").status("00000000-0000-0000-0000-000000000000").result is None
+
+    @app.action(name="quick")
+    def quick() -> str:
+        return "done"
+
+    @app.mutation(name="look")
+    def look(tx, work_id, context, result):
+        # Another connection (another thread) sees the committed state only.
+        def probe() -> None:
+            try:
+                seen.append(other.pool("oc").status(work_id))
+            except Exception as exc:
+                seen.append(exc)
+
+        t = threading.Thread(target=probe)
+        t.start()
+        t.join(20)
+        rec.add()
+
+    pool = app.pool("oc")
+    wid = pool.enqueue_action(quick, on_complete=look)
+    try:
+        run_until_idle(app)
+    finally:
+        other.close()
+    assert len(seen) == 1
+    assert seen[0].state == "running", seen
+    assert pool.status(wid).state == "finished"
+
+
+def test_on_complete_raising_is_retried_and_commits_once(app, rec: Recorder, user_table):
+    @app.action(name="value")
+    def value() -> str:
+        rec.add(kind="action")
+        return "v"
+
+    @app.mutation(name="shaky")
+    def shaky(tx, work_id, context, result):
+        user_table.insert(tx, work_id, "written")  # rolled back when we raise below
+        rec.add(kind="handler")
+        if rec.count(kind="handler") < 3:
+            raise RuntimeError("handler hiccup")
+
+    pool = app.pool("oc")
+    wid = pool.enqueue_action(value, on_complete=shaky)
+    run_until_idle(app, timeout=30)
+
+    assert rec.count(kind="handler") == 3
+    assert rec.count(kind="action") == 1, "a failing handler must not re-run the action"
+    assert user_table.rows() == [(wid, "written")]
+    status = pool.status(wid)
+    assert status == workpool.Finished(workpool.Success("v"))
+    assert status.on_complete_error is None
+
+
+def test_status_is_running_while_on_complete_waits_for_retry(app, rec: Recorder):
+    @app.action(name="value")
+    def value() -> int:
+        return 1
+
+    release = threading.Event()
+
+    @app.mutation(name="shaky")
+    def shaky(tx, work_id, context, result):
+        rec.add()
+        if not release.is_set():
+            raise RuntimeError("not yet")
+
+    pool = app.pool("oc")
+    wid = pool.enqueue_action(value, on_complete=shaky)
+    try:
+        with background_worker(app):
+            wait_for(lambda: len(rec.calls) >= 1)
+            status = pool.status(wid)
+            assert status.state == "running"
+            release.set()
+            final = wait_for(lambda: (s := pool.status(wid)).state == "finished" and s, 15)
+    finally:
+        release.set()
+    assert final == workpool.Finished(workpool.Success(1))
+
+
+@pytest.mark.timeout(60)
+def test_on_complete_always_raising_gives_up_after_five_tries(app, rec: Recorder, user_table):
+    @app.action(name="value")
+    def value() -> str:
+        rec.add(kind="action")
+        return "real result"
+
+    @app.mutation(name="broken")
+    def broken(tx, work_id, context, result):
+        user_table.insert(tx, work_id)
+        rec.add(kind="handler", result=result)
+        raise ValueError("handler is broken")
+
+    pool = app.pool("oc")
+    wid = pool.enqueue_action(value, on_complete=broken)
+    # backoff 0.5 s * 2^n with jitter over 4 waits: 3.75 .. 11.25 s
+    run_until_idle(app, timeout=40)
+
+    assert rec.count(kind="handler") == 5
+    assert rec.count(kind="action") == 1
+    assert all(c["result"] == workpool.Success("real result") for c in rec.calls[1:])
+    assert user_table.count() == 0
+    status = pool.status(wid)
+    assert status.state == "finished"
+    assert status.result == workpool.Success("real result")
+    assert status.on_complete_error is not None
+    assert "handler is broken" in status.on_complete_error
+
+
+def test_failing_on_complete_does_not_stall_the_pool(app, rec: Recorder):
+    @app.action(name="value")
+    def value(i: int) -> int:
+        rec.add(kind="action", i=i)
+        return i
+
+    @app.mutation(name="broken")
+    def broken(tx, work_id, context, result):
+        raise RuntimeError("always")
+
+    pool = app.pool("no_stall", max_parallelism=1)
+    poisoned = pool.enqueue_action(value, {"i": 0}, on_complete=broken)
+    others = pool.enqueue_action_batch(value, [{"i": i} for i in range(1, 5)], run_after=0.05)
+    with background_worker(app):
+        for wid in others:
+            wait_for(
+                lambda w=wid: pool.status(w).state == "finished",
+                timeout=3,
+                message="a handler in backoff must not hold the slot",
+            )
+        assert pool.status(poisoned).state == "running"
+    pool.cancel(poisoned)  # harmless on completing work
+
+
+# --- mutations ---------------------------------------------------------------------------
+
+
+def test_mutation_effect_happens_exactly_once(app, user_table, rec: Recorder):
+    @app.mutation(name="insert_row")
+    def insert_row(tx, key: str) -> str:
+        user_table.insert(tx, key, "m")
+        return f"inserted {key}"
+
+    @app.mutation(name="record")
+    def record(tx, work_id, context, result):
+        rec.add(result=result)
+
+    pool = app.pool("mut")
+    wids = pool.enqueue_mutation_batch(
+        insert_row, [{"key": f"k{i}"} for i in range(5)], on_complete=record
+    )
+    run_until_idle(app)
+    assert user_table.rows() == [(f"k{i}", "m") for i in range(5)]
+    assert [s.result for s in pool.status_batch(wids)] == [
+        workpool.Success(f"inserted k{i}") for i in range(5)
+    ]
+    assert len(rec.calls) == 5
+
+
+def test_mutation_raising_fails_rolls_back_and_is_not_retried(app, user_table, rec: Recorder):
+    @app.mutation(name="half_write")
+    def half_write(tx, key: str) -> None:
+        rec.add(kind="mutation")
+        user_table.insert(tx, key)
+        raise RuntimeError("mutation blew up")
+
+    @app.mutation(name="record")
+    def record(tx, work_id, context, result):
+        rec.add(kind="handler", result=result)
+        user_table.insert(tx, "handler-ran")
+
+    pool = app.pool(
+        "mut",
+        retry_actions_by_default=True,
+        default_retry=RetryBehavior(max_attempts=5, initial_backoff=0.01),
+    )
+    wid = pool.enqueue_mutation(half_write, {"key": "k"}, on_complete=record)
+    run_until_idle(app)
+
+    assert rec.count(kind="mutation") == 1
+    assert user_table.rows() == [("handler-ran", None)], "the mutation's write rolled back"
+    result = pool.status(wid).result
+    assert result.kind == "failed"
+    assert "mutation blew up" in result.error
+    assert rec.calls[-1]["result"] == result
+
+
+def test_mutation_sees_current_info(app, rec: Recorder):
+    @app.mutation(name="who")
+    def who(tx) -> dict:
+        info = workpool.current()
+        return {"pool": info.pool, "fn": info.fn_name, "attempt": info.attempt, "id": info.work_id}
+
+    pool = app.pool("mut")
+    wid = pool.enqueue_mutation(who)
+    run_until_idle(app)
+    assert pool.status(wid).result == workpool.Success(
+        {"pool": "mut", "fn": "who", "attempt": 1, "id": wid}
+    )
+
+
+def test_query_result_is_delivered_to_on_complete(app, user_table, rec: Recorder):
+    with app.transaction() as tx:
+        for i in range(4):
+            user_table.insert(tx, f"row{i}")
+
+    @app.query(name="count_rows")
+    def count_rows(tx, prefix: str) -> int:
+        return user_table.count(tx)
+
+    @app.mutation(name="record")
+    def record(tx, work_id, context, result):
+        rec.add(result=result, context=context)
+
+    pool = app.pool("queries")
+    wid = pool.enqueue_query(count_rows, {"prefix": "row"}, on_complete=record, context=[1, 2])
+    run_until_idle(app)
+    assert rec.calls == [{"t": rec.calls[0]["t"], "result": workpool.Success(4), "context": [1, 2]}]
+    assert pool.status(wid).result == workpool.Success(4)
+
+
+def test_query_batch(app, rec: Recorder):
+    @app.query(name="echo")
+    def echo(tx, x: int) -> int:
+        return x
+
+    pool = app.pool("queries")
+    wids = pool.enqueue_query_batch(echo, [{"x": 1}, {"x": 2}])
+    run_until_idle(app)
+    assert [s.result for s in pool.status_batch(wids)] == [
+        workpool.Success(1),
+        workpool.Success(2),
+    ]
+
+
+# --- the caller's own transaction ------------------------------------------------------
+
+
+def test_enqueue_in_transaction_commits_with_user_writes(app, user_table, rec: Recorder):
+    @app.action(name="job")
+    def job() -> str:
+        rec.add()
+        return "ran"
+
+    pool = app.pool("txn")
+    with app.transaction() as tx:
+        user_table.insert(tx, "user-row")
+        wid = pool.enqueue_action(job, tx=tx)
+    assert user_table.rows() == [("user-row", None)]
+    assert pool.status(wid).state == "pending"
+    run_until_idle(app)
+    assert pool.status(wid).result == workpool.Success("ran")
+    assert len(rec.calls) == 1
+
+
+def test_enqueue_in_transaction_rolls_back_with_user_writes(app, user_table, rec: Recorder):
+    @app.action(name="job")
+    def job() -> None:
+        rec.add()
+
+    pool = app.pool("txn")
+    wids: list[str] = []
+    with pytest.raises(RuntimeError, match="user changed their mind"), app.transaction() as tx:
+        user_table.insert(tx, "user-row")
+        wids.append(pool.enqueue_action(job, tx=tx))
+        wids += pool.enqueue_action_batch(job, [{}, {}], tx=tx)
+        raise RuntimeError("user changed their mind")
+    assert user_table.count() == 0
+    assert [s for s in pool.status_batch(wids)] == [workpool.Finished(None)] * 3
+    stats = pool.stats()
+    assert (stats.backlog, stats.scheduled, stats.running) == (0, 0, 0)
+    run_until_idle(app)
+    assert rec.calls == []
+
+
+def test_follow_up_work_enqueued_from_on_complete(app, rec: Recorder):
+    pool = app.pool("chain")
+
+    @app.action(name="step")
+    def step(n: int) -> int:
+        rec.add(kind="step", n=n)
+        return n + 1
+
+    @app.mutation(name="next_step")
+    def next_step(tx, work_id, context, result):
+        if result.return_value < 3:
+            follow = pool.enqueue_action(
+                step, {"n": result.return_value}, on_complete=next_step, tx=tx
+            )
+            rec.add(kind="enqueued", wid=follow)
+
+    first = pool.enqueue_action(step, {"n": 0}, on_complete=next_step)
+    run_until_idle(app)
+    assert rec.values("n")[::2] == [0, 1, 2]
+    assert [c["kind"] for c in rec.calls] == ["step", "enqueued"] * 2 + ["step"]
+    assert pool.status(first).result == workpool.Success(1)
+    for c in rec.calls:
+        if c["kind"] == "enqueued":
+            assert pool.status(c["wid"]).state == "finished"
+
+
+def test_follow_up_from_a_failed_handler_try_is_rolled_back(app, rec: Recorder):
+    pool = app.pool("chain")
+
+    @app.action(name="first")
+    def first() -> str:
+        return "first"
+
+    @app.action(name="follow")
+    def follow(tag: str) -> None:
+        rec.add(kind="follow", tag=tag)
+
+    @app.mutation(name="handler")
+    def handler(tx, work_id, context, result):
+        tries = rec.count(kind="handler") + 1
+        rec.add(kind="handler")
+        pool.enqueue_action(follow, {"tag": f"try{tries}"}, tx=tx)
+        if tries == 1:
+            raise RuntimeError("first try fails after enqueueing")
+
+    pool.enqueue_action(first, on_complete=handler)
+    run_until_idle(app, timeout=30)
+    assert rec.count(kind="handler") == 2
+    assert [c["tag"] for c in rec.calls if c["kind"] == "follow"] == ["try2"]
+
+
+def test_enqueue_in_another_pool_from_on_complete(app, rec: Recorder):
+    a = app.pool("pool_a")
+    b = app.pool("pool_b")
+
+    @app.action(name="in_a")
+    def in_a() -> int:
+        return 1
+
+    @app.action(name="in_b")
+    def in_b(x: int) -> None:
+        rec.add(pool=workpool.current().pool, x=x)
+
+    @app.mutation(name="handoff")
+    def handoff(tx, work_id, context, result):
+        b.enqueue_action(in_b, {"x": result.return_value}, tx=tx)
+
+    a.enqueue_action(in_a, on_complete=handoff)
+    run_until_idle(app)
+    assert [(c["pool"], c["x"]) for c in rec.calls] == [("pool_b", 1)]
+
+
+def test_on_complete_by_registered_name(app, rec: Recorder):
+    @app.action(name="named_action")
+    def named_action() -> int:
+        return 9
+
+    @app.mutation(name="named_handler")
+    def named_handler(tx, work_id, context, result):
+        rec.add(result=result)
+
+    pool = app.pool("names")
+    pool.enqueue_action("named_action", on_complete="named_handler")
+    run_until_idle(app)
+    assert rec.values("result") == [workpool.Success(9)]
+
+
+def test_query_raising_fails_without_retry(app, rec: Recorder):
+    @app.query(name="bad_query")
+    def bad_query(tx) -> int:
+        rec.add(kind="query")
+        raise LookupError("no such row")
+
+    @app.mutation(name="record")
+    def record(tx, work_id, context, result):
+        rec.add(kind="done", result=result)
+
+    pool = app.pool("queries", retry_actions_by_default=True)
+    wid = pool.enqueue_query(bad_query, on_complete=record)
+    run_until_idle(app)
+    assert rec.count(kind="query") == 1
+    result = pool.status(wid).result
+    assert result.kind == "failed" and "no such row" in result.error
+    assert [c["result"] for c in rec.calls if c["kind"] == "done"] == [result]
+
+
+def test_query_is_read_only(app, user_table):
+    """A query's writes never persist: it either fails or its writes are discarded."""
+
+    @app.query(name="sneaky")
+    def sneaky(tx) -> str:
+        user_table.insert(tx, "written-by-a-query")
+        return "wrote"
+
+    pool = app.pool("queries")
+    wid = pool.enqueue_query(sneaky)
+    run_until_idle(app)
+    assert pool.status(wid).state == "finished"
+    assert user_table.rows() == [], "a query committed a write"
+
+
+def test_enqueue_inside_a_mutation_commits_or_rolls_back_with_it(app, rec: Recorder):
+    pool = app.pool("nested")
+
+    @app.action(name="follow")
+    def follow(tag: str) -> None:
+        rec.add(kind="follow", tag=tag)
+
+    @app.mutation(name="parent")
+    def parent(tx, tag: str, fail: bool) -> None:
+        pool.enqueue_action(follow, {"tag": tag}, tx=tx)
+        if fail:
+            raise RuntimeError("parent failed after enqueueing")
+
+    ok = pool.enqueue_mutation(parent, {"tag": "kept", "fail": False})
+    bad = pool.enqueue_mutation(parent, {"tag": "dropped", "fail": True})
+    run_until_idle(app)
+    assert pool.status(ok).result == workpool.Success(None)
+    assert pool.status(bad).result.kind == "failed"
+    assert [c["tag"] for c in rec.calls] == ["kept"]
+
+
+def test_enqueue_from_inside_an_action(app, rec: Recorder):
+    pool = app.pool("nested")
+
+    @app.action(name="child")
+    def child(n: int) -> None:
+        rec.add(n=n)
+
+    @app.action(name="spawner")
+    def spawner() -> list:
+        return pool.enqueue_action_batch(child, [{"n": 1}, {"n": 2}])
+
+    wid = pool.enqueue_action(spawner)
+    run_until_idle(app)
+    children = pool.status(wid).result.return_value
+    assert len(children) == 2
+    assert sorted(rec.values("n")) == [1, 2]
+    assert all(s.state == "finished" for s in pool.status_batch(children))

@@ -1,0 +1,276 @@
+"""PRODUCT.md §1: parallelism is global and exact; raising it takes effect; 0 pauses.
+
+Lessons: pausing stops *starting* work, never recording completions or cancels;
+work waiting to retry holds no slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+import workpool
+from conftest import (
+    Recorder,
+    assert_pool_empty,
+    background_worker,
+    finished,
+    holds_for,
+    run_until_idle,
+    wait_for,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_sync_actions_never_exceed_limit_and_reach_it(app, rec: Recorder):
+    @app.action(name="busy")
+    def busy(i: int) -> int:
+        rec.enter(i=i)
+        time.sleep(0.08)
+        rec.leave()
+        return i
+
+    pool = app.pool("limited", max_parallelism=3)
+    wids = pool.enqueue_action_batch(busy, [{"i": i} for i in range(15)])
+    run_until_idle(app, concurrency=8)
+
+    assert rec.max_active <= 3
+    assert rec.max_active == 3, "with 15 items and concurrency 8 the limit must be reached"
+    statuses = pool.status_batch(wids)
+    assert [s.result for s in statuses] == [workpool.Success(i) for i in range(15)]
+
+
+def test_async_actions_never_exceed_limit_and_reach_it(app, rec: Recorder):
+    @app.action(name="busy_async")
+    async def busy_async(i: int) -> int:
+        rec.enter(i=i)
+        await asyncio.sleep(0.08)
+        rec.leave()
+        return i * 2
+
+    pool = app.pool("limited_async", max_parallelism=2)
+    wids = pool.enqueue_action_batch(busy_async, [{"i": i} for i in range(10)])
+    run_until_idle(app, concurrency=10)
+
+    assert rec.max_active == 2
+    assert [s.result for s in pool.status_batch(wids)] == [
+        workpool.Success(i * 2) for i in range(10)
+    ]
+
+
+def test_limit_is_per_pool(app, rec: Recorder):
+    per_pool: dict[str, Recorder] = {"a": Recorder(), "b": Recorder()}
+
+    @app.action(name="busy")
+    def busy(pool_name: str) -> None:
+        per_pool[pool_name].enter()
+        rec.enter()
+        time.sleep(0.08)
+        rec.leave()
+        per_pool[pool_name].leave()
+
+    a = app.pool("a", max_parallelism=1)
+    b = app.pool("b", max_parallelism=2)
+    a.enqueue_action_batch(busy, [{"pool_name": "a"}] * 5)
+    b.enqueue_action_batch(busy, [{"pool_name": "b"}] * 6)
+    run_until_idle(app, concurrency=10)
+
+    assert per_pool["a"].max_active == 1
+    assert per_pool["b"].max_active == 2
+    assert rec.max_active <= 3
+
+
+def test_mutations_count_against_the_limit(app, user_table):
+    lock = threading.Lock()
+    state = {"active": 0, "max": 0}
+
+    @app.mutation(name="slow_write")
+    def slow_write(tx, i: int) -> None:
+        with lock:
+            state["active"] += 1
+            state["max"] = max(state["max"], state["active"])
+        time.sleep(0.03)
+        user_table.insert(tx, str(i))
+        with lock:
+            state["active"] -= 1
+
+    pool = app.pool("mutations", max_parallelism=1)
+    pool.enqueue_mutation_batch(slow_write, [{"i": i} for i in range(6)])
+    run_until_idle(app, concurrency=6)
+    assert state["max"] == 1
+    assert user_table.count() == 6
+
+
+def test_raising_max_parallelism_takes_effect_at_once(app, rec: Recorder):
+    release = threading.Event()
+
+    @app.action(name="blocked")
+    def blocked(i: int) -> None:
+        rec.enter(i=i)
+        try:
+            assert release.wait(30), "never released"
+        finally:
+            rec.leave()
+
+    pool = app.pool("grow", max_parallelism=1)
+    wids = pool.enqueue_action_batch(blocked, [{"i": i} for i in range(6)])
+    try:
+        with background_worker(app, concurrency=8):
+            wait_for(lambda: rec.active == 1)
+            holds_for(lambda: rec.active == 1, 0.3)  # the limit holds while work is due
+            assert pool.stats().running == 1
+            pool.configure(max_parallelism=4)
+            wait_for(lambda: rec.active == 4, timeout=5, message="raised limit not used")
+            holds_for(lambda: rec.active <= 4, 0.2)
+            assert pool.stats().max_parallelism == 4
+            release.set()
+            wait_for(lambda: all(finished(pool, w) for w in wids), timeout=15)
+    finally:
+        release.set()
+    assert rec.max_active == 4
+
+
+def test_lowering_max_parallelism_stops_new_starts_beyond_it(app, rec: Recorder):
+    release = threading.Event()
+
+    @app.action(name="blocked")
+    def blocked(i: int) -> None:
+        rec.enter(i=i)
+        try:
+            release.wait(30)
+        finally:
+            rec.leave()
+
+    pool = app.pool("shrink", max_parallelism=3)
+    wids = pool.enqueue_action_batch(blocked, [{"i": i} for i in range(8)])
+    try:
+        with background_worker(app, concurrency=8):
+            wait_for(lambda: rec.active == 3)
+            pool.configure(max_parallelism=1)
+            started_before = len(rec.calls)
+            release.set()
+            wait_for(lambda: all(finished(pool, w) for w in wids), timeout=20)
+    finally:
+        release.set()
+    # After lowering, the remaining 5 ran one at a time.
+    later = rec.calls[started_before:]
+    assert len(later) == 5
+    assert rec.max_active == 3
+
+
+def test_zero_pauses_running_work_finishes_and_nothing_new_starts(app, store_url, rec: Recorder):
+    release = threading.Event()
+
+    @app.action(name="blocked")
+    def blocked(i: int) -> int:
+        rec.enter(i=i)
+        try:
+            release.wait(30)
+        finally:
+            rec.leave()
+        return i
+
+    pool = app.pool("pausable", max_parallelism=2)
+    first = pool.enqueue_action_batch(blocked, [{"i": 0}, {"i": 1}])
+    try:
+        with background_worker(app, concurrency=5):
+            wait_for(lambda: rec.active == 2)
+            pool.configure(max_parallelism=0)
+            later = pool.enqueue_action_batch(blocked, [{"i": 2}, {"i": 3}])
+            release.set()
+            # Pausing never stops completions: the running work is recorded.
+            for wid, i in zip(first, (0, 1), strict=True):
+                status = wait_for(lambda w=wid: finished(pool, w), timeout=10)
+                assert status.result == workpool.Success(i)
+            holds_for(lambda: len(rec.calls) == 2, 0.5)
+            for wid in later:
+                status = pool.status(wid)
+                assert status.state == "pending"
+                assert status.reason == "paused"
+            stats = pool.stats()
+            assert stats.paused is True
+            assert stats.max_parallelism == 0
+            assert stats.running == 0
+    finally:
+        release.set()
+
+    # A paused pool counts as idle: run_worker(until_idle=True) returns.
+    run_until_idle(app, timeout=15)
+    assert len(rec.calls) == 2
+
+    # Unpausing (persisted, seen by a new App too) lets the rest run.
+    other = workpool.App(store_url)
+    try:
+        assert other.pool("pausable").stats().paused is True
+        other.pool("pausable").configure(max_parallelism=2)
+    finally:
+        other.close()
+    run_until_idle(app)
+    assert [s.result for s in pool.status_batch(later)] == [
+        workpool.Success(2),
+        workpool.Success(3),
+    ]
+
+
+def test_paused_pool_still_records_cancels_and_runs_their_on_complete(app, rec: Recorder):
+    @app.action(name="never")
+    def never(i: int) -> None:
+        rec.add(kind="action", i=i)
+
+    @app.mutation(name="done")
+    def done(tx, work_id, context, result):
+        rec.add(kind="done", work_id=work_id, result=result)
+
+    pool = app.pool("paused_cancels", max_parallelism=0)
+    with_handler = pool.enqueue_action(never, {"i": 1}, on_complete=done)
+    without = pool.enqueue_action(never, {"i": 2})
+    assert pool.status(with_handler).reason == "paused"
+    pool.cancel(with_handler)
+    pool.cancel(without)
+    assert pool.status(without) == workpool.Finished(workpool.Canceled())
+    with background_worker(app):
+        status = wait_for(lambda: finished(pool, with_handler), timeout=10)
+    assert status.result == workpool.Canceled()
+    assert rec.count(kind="action") == 0
+    assert rec.count(kind="done") == 1
+    assert_pool_empty(pool)
+
+
+def test_work_waiting_to_retry_holds_no_slot(app, rec: Recorder):
+    @app.action(name="flaky")
+    def flaky() -> str:
+        rec.add(fn="flaky", attempt=workpool.current().attempt)
+        if workpool.current().attempt == 1:
+            raise RuntimeError("first attempt fails")
+        return "ok"
+
+    @app.action(name="other")
+    def other(i: int) -> int:
+        rec.add(fn="other", i=i)
+        return i
+
+    pool = app.pool("retry_slot", max_parallelism=1)
+    retrying = pool.enqueue_action(
+        flaky, retry=workpool.RetryBehavior(max_attempts=2, initial_backoff=1.0, base=2.0)
+    )
+    others = pool.enqueue_action_batch(other, [{"i": i} for i in range(3)], run_after=0.05)
+    run_until_idle(app, concurrency=4)
+
+    order = [c["fn"] for c in rec.calls]
+    assert order[0] == "flaky"
+    # While flaky waits >= 0.5 s for its retry, the single slot serves the others.
+    assert order[1:4] == ["other", "other", "other"], order
+    assert order[4] == "flaky"
+    assert pool.status(retrying).result == workpool.Success("ok")
+    assert all(s.result.kind == "success" for s in pool.status_batch(others))
+
+
+def test_large_max_parallelism_is_accepted(app):
+    pool = app.pool("wide", max_parallelism=5000)
+    assert pool.stats().max_parallelism == 5000
+    pool.configure(max_parallelism=100_000)
+    assert pool.stats().max_parallelism == 100_000

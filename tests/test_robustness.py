@@ -1,0 +1,301 @@
+"""Several workers at once, store conflicts, held locks, big backlogs.
+
+PRODUCT.md §1, §3 (transient store conflicts are retried transparently) and the
+lessons "one poisoned work item must never stall a pool" and "every transaction
+is bounded".
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+import workpool
+from conftest import (
+    Recorder,
+    UserTable,
+    WorkerThread,
+    assert_pool_empty,
+    holds_for,
+    pg_schema_of,
+    run_until_idle,
+    store_kind,
+    wait_for,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _register(app, rec: Recorder, table: UserTable) -> dict:
+    @app.action(name="busy")
+    def busy(i: int) -> int:
+        rec.enter(i=i)
+        time.sleep(0.02)
+        rec.leave()
+        return i
+
+    @app.mutation(name="effect")
+    def effect(tx, i: int) -> int:
+        table.insert(tx, f"mut:{i}")
+        return i
+
+    @app.mutation(name="done")
+    def done(tx, work_id, context, result):
+        table.insert(tx, f"done:{work_id}", result.kind)
+
+    return {"busy": busy, "effect": effect, "done": done}
+
+
+def test_two_apps_working_one_store_share_the_limit_and_complete_once(
+    app, store_url, rec: Recorder, user_table
+):
+    fns = _register(app, rec, user_table)
+    second = workpool.App(store_url)
+    _register(second, rec, user_table)
+    try:
+        pool = app.pool("shared", max_parallelism=4)
+        actions = pool.enqueue_action_batch(
+            fns["busy"], [{"i": i} for i in range(60)], on_complete=fns["done"]
+        )
+        mutations = pool.enqueue_mutation_batch(
+            fns["effect"], [{"i": i} for i in range(30)], on_complete=fns["done"]
+        )
+        workers = [
+            WorkerThread(a, until_idle=True, concurrency=6, lease=2.0).start()
+            for a in (app, second)
+        ]
+        for w in workers:
+            w.join(60)
+    finally:
+        second.close()
+
+    assert rec.max_active <= 4
+    assert rec.max_active >= 3
+    assert [s.result for s in pool.status_batch(actions)] == [
+        workpool.Success(i) for i in range(60)
+    ]
+    assert [s.result for s in pool.status_batch(mutations)] == [
+        workpool.Success(i) for i in range(30)
+    ]
+    rows = Counter(k for k, _ in user_table.rows())
+    assert {k: v for k, v in rows.items() if v != 1} == {}, "an effect happened twice"
+    assert sum(1 for k in rows if k.startswith("mut:")) == 30
+    assert sum(1 for k in rows if k.startswith("done:")) == 90
+
+
+def test_conflicting_mutations_are_retried_transparently(app, store_url, rec: Recorder):
+    """Mutations that take row locks in opposite orders: PostgreSQL aborts one side of
+    each deadlock; workpool must retry it, not fail it, and still apply it once."""
+    p = "?" if store_kind(store_url) == "sqlite" else "%s"
+    schema = pg_schema_of(store_url)
+    name = f'"{schema}".accounts' if schema else "accounts"
+    with app.transaction() as tx:
+        if schema:
+            tx.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
+        tx.execute(f"CREATE TABLE {name} (id INTEGER PRIMARY KEY, balance INTEGER NOT NULL)")
+        tx.execute(f"INSERT INTO {name} (id, balance) VALUES (1, 0)")
+        tx.execute(f"INSERT INTO {name} (id, balance) VALUES (2, 0)")
+
+    @app.mutation(name="transfer")
+    def transfer(tx, first: int, second: int) -> None:
+        if schema:
+            tx.execute("SET LOCAL deadlock_timeout = '20ms'")
+        rec.add(kind="try")
+        tx.execute(f"UPDATE {name} SET balance = balance + 1 WHERE id = {p}", (first,))
+        time.sleep(0.05)
+        tx.execute(f"UPDATE {name} SET balance = balance + 1 WHERE id = {p}", (second,))
+
+    pool = app.pool("bank", max_parallelism=8)
+    args = [{"first": 1, "second": 2} if i % 2 else {"first": 2, "second": 1} for i in range(16)]
+    wids = pool.enqueue_mutation_batch(transfer, args)
+    run_until_idle(app, concurrency=8, timeout=60)
+
+    results = pool.status_batch(wids)
+    if schema:  # the scenario must really have produced deadlocks to prove anything
+        assert rec.count(kind="try") > 16
+    assert [r.result.kind for r in results] == ["success"] * 16, [r.result for r in results]
+    with app.transaction() as tx:
+        balances = dict(tx.execute(f"SELECT id, balance FROM {name}").fetchall())
+    assert balances == {1: 16, 2: 16}, "each transfer applied exactly once"
+
+
+def test_worker_waits_out_a_lock_held_by_someone_else(app, store_url, rec: Recorder):
+    @app.action(name="job")
+    def job(i: int) -> int:
+        rec.add(i=i)
+        return i
+
+    pool = app.pool("locked")
+    wids = pool.enqueue_action_batch(job, [{"i": i} for i in range(5)])
+    holder_ready = threading.Event()
+    release = threading.Event()
+
+    def hold_lock() -> None:
+        if store_kind(store_url) == "sqlite":
+            import sqlite3
+
+            conn = sqlite3.connect(store_url[len("sqlite:///") :], isolation_level=None)
+            conn.execute("BEGIN IMMEDIATE")
+            holder_ready.set()
+            release.wait(10)
+            conn.execute("ROLLBACK")
+            conn.close()
+        else:
+            import psycopg
+
+            schema = pg_schema_of(store_url)
+            with psycopg.connect(store_url.split("?", 1)[0]) as conn:
+                conn.execute(f'LOCK TABLE "{schema}".work IN ACCESS EXCLUSIVE MODE')
+                holder_ready.set()
+                release.wait(10)
+                conn.rollback()
+
+    holder = threading.Thread(target=hold_lock)
+    holder.start()
+    try:
+        assert holder_ready.wait(10)
+        worker = WorkerThread(app, until_idle=True, lease=5.0).start()
+        holds_for(lambda: rec.calls == [], 1.0)  # nothing runs while the store is locked
+    finally:
+        release.set()
+        holder.join(15)
+    worker.join(60)
+    assert [s.result for s in pool.status_batch(wids)] == [workpool.Success(i) for i in range(5)]
+
+
+@pytest.mark.timeout(180)
+def test_a_big_backlog_drains(app):
+    @app.action(name="noop")
+    def noop(i: int) -> int:
+        return i
+
+    pool = app.pool("backlog", max_parallelism=50)
+    wids = pool.enqueue_action_batch(noop, [{"i": i} for i in range(10_000)])
+    stats = pool.stats()
+    assert stats.backlog == 10_000
+    run_until_idle(app, concurrency=50, timeout=150)
+    statuses = pool.status_batch(wids)
+    assert sum(1 for s in statuses if s.result is not None and s.result.kind == "success") == 10_000
+    assert_pool_empty(pool)
+    assert pool.stats().succeeded == 10_000
+
+
+def test_many_pools_are_all_served(app, rec: Recorder):
+    @app.action(name="job")
+    def job(p: str) -> str:
+        rec.add(pool=workpool.current().pool)
+        return p
+
+    names = [f"pool_{i}" for i in range(25)]
+    wids = {n: app.pool(n, max_parallelism=1).enqueue_action(job, {"p": n}) for n in names}
+    run_until_idle(app, concurrency=4)
+    assert sorted(rec.values("pool")) == sorted(names)
+    for n, wid in wids.items():
+        assert app.pool(n).status(wid).result == workpool.Success(n)
+
+
+def test_work_enqueued_while_the_worker_sleeps_starts_promptly(app, rec: Recorder):
+    @app.action(name="job")
+    def job() -> None:
+        rec.add()
+
+    pool = app.pool("prompt")
+    with_worker = WorkerThread(app, lease=2.0).start()
+    try:
+        pool.stats()
+        holds_for(lambda: rec.calls == [], 0.3)  # the worker goes idle: nothing to do
+        enqueued = time.time()
+        wid = pool.enqueue_action(job)
+        wait_for(lambda: pool.status(wid).state == "finished", timeout=5)
+        assert rec.calls[0]["t"] - enqueued < 1.5, "an idle worker should wake up quickly"
+    finally:
+        with_worker.stop()
+
+
+def test_a_pool_created_after_the_worker_started_is_served(app, store_url, rec: Recorder):
+    @app.action(name="job")
+    def job() -> str:
+        rec.add()
+        return "late pool"
+
+    worker = WorkerThread(app, lease=2.0).start()
+    try:
+        other = workpool.App(store_url)
+        try:
+            other.action(name="job")(lambda: None)
+            wid = other.pool("born_later").enqueue_action("job")
+            final = wait_for(
+                lambda: (s := other.pool("born_later").status(wid)).state == "finished" and s,
+                timeout=10,
+            )
+        finally:
+            other.close()
+    finally:
+        worker.stop()
+    assert final.result == workpool.Success("late pool")
+
+
+def test_schema_keyword_keeps_stores_apart(store_url):
+    if store_kind(store_url) != "postgres":
+        pytest.skip("schemas are a PostgreSQL feature; SQLite stores are apart by file")
+    import uuid
+
+    from conftest import _drop_schema
+
+    base = store_url.split("?", 1)[0]
+    own = f"wp_test_{uuid.uuid4().hex[:12]}"
+    first = workpool.App(base, schema=own)
+    second = workpool.App(store_url)
+    try:
+        for a in (first, second):
+            a.action(name="job")(lambda: None)
+        wid = first.pool("p").enqueue_action("job", run_after=60)
+        assert first.pool("p").status(wid).state == "pending"
+        assert second.pool("p").status(wid) == workpool.Finished(None)
+        assert second.pool("p").stats().scheduled == 0
+    finally:
+        first.close()
+        second.close()
+        _drop_schema(base, own)
+
+
+class Poison(BaseException):
+    """Not an Exception: escapes ``except Exception`` in careless code."""
+
+
+@pytest.mark.parametrize("kind", ["sync-SystemExit", "async-BaseException"])
+@pytest.mark.timeout(90)
+def test_an_action_raising_a_base_exception_does_not_stall_the_pool(app, rec: Recorder, kind):
+    @app.action(name="exits")
+    def exits() -> None:
+        raise SystemExit(3)
+
+    @app.action(name="poisons_async")
+    async def poisons_async() -> None:
+        raise Poison("async poison")
+
+    @app.action(name="fine")
+    def fine(i: int) -> int:
+        rec.add(i=i)
+        return i
+
+    fn = {"sync-SystemExit": exits, "async-BaseException": poisons_async}[kind]
+    pool = app.pool("poison", max_parallelism=1)
+    bad = pool.enqueue_action(fn)
+    good = pool.enqueue_action_batch(fine, [{"i": i} for i in range(3)], run_after=0.05)
+    worker = WorkerThread(app, lease=1.0, shutdown_grace=1.0).start()
+    try:
+        wait_for(
+            lambda: all(s.state == "finished" for s in pool.status_batch(good)),
+            timeout=5,
+            message="the pool stalled behind one poisoned item",
+        )
+        final = wait_for(lambda: (s := pool.status(bad)).state == "finished" and s, timeout=8)
+    finally:
+        app.stop_workers()
+        worker.thread.join(20)
+    assert final.result.kind == "failed"
+    assert sorted(rec.values("i")) == [0, 1, 2]
