@@ -9,7 +9,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from workpool.core.errors import InvalidArgumentError, InvalidTypeError
-from workpool.core.ids import new_work_id
+from workpool.core.ids import new_work_ids
 from workpool.core.results import (
     Finished,
     Pending,
@@ -358,7 +358,7 @@ class Pool:
         payloads = [encode_json(check_args(args), "args") for args in args_list]
         now = self.app.clock()
         due_at = resolve_due_at(run_at, run_after, now)
-        ids = [new_work_id() for _ in payloads]
+        ids = new_work_ids(len(payloads))
 
         def body(tx: Tx) -> PoolConfig:
             config = self._config(tx)

@@ -17,12 +17,17 @@ NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:\-]{0,127}$")
 LOG_LEVELS = ("DEBUG", "TRACE", "INFO", "REPORT", "WARN", "ERROR")
 
 
+_ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
+
+
 def encode_json(value: object, what: str) -> str:
     """Serialise ``value`` as JSON, enforcing the size limit; raise before anything is stored."""
     try:
-        text = json.dumps(value, allow_nan=False, separators=(",", ":"))
+        text = _ENCODER.encode(value)
     except (TypeError, ValueError) as exc:
         raise InvalidTypeError(f"{what} must be JSON-serialisable: {exc}") from None
+    if len(text) * 4 <= MAX_PAYLOAD_BYTES:  # UTF-8 takes at most 4 bytes a character
+        return text
     size = len(text.encode())
     if size > MAX_PAYLOAD_BYTES:
         raise PayloadTooLargeError(

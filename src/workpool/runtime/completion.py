@@ -70,6 +70,12 @@ class Changes:
         store.finish_many(tx, self.finished, now)
         store.retry_many(tx, self.retried)
         store.hand_many(tx, self.handed)
+        # Freed slots, retries and handler work concern the other workers too: wake
+        # them at commit (PostgreSQL NOTIFY; SQLite workers see any commit anyway).
+        woken = {f.work.pool for f in self.finished} | {r.work.pool for r in self.retried}
+        woken |= {h.work.pool for h in self.handed}
+        if woken:
+            store.notify(tx, sorted(woken))
         bucket = int(now // 60)
         for pool, counters in self.counters.items():
             store.add_counters(tx, pool, worker_id, bucket, counters)

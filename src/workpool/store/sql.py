@@ -266,6 +266,9 @@ class SqlStore(Store):
 
     # --- work ---------------------------------------------------------------------------------
     def insert_work(self, tx: Tx, items: Sequence[NewWork]) -> None:
+        self._insert_rows(tx, self._work_rows(items))
+
+    def _insert_rows(self, tx: Tx, rows: list[tuple[Any, ...]]) -> None:
         sql = self._sql(
             "INSERT INTO {s}work (id, pool, kind, fn_name, args, on_complete, context, retry,"
             " timeout, state, due_at, attempt, cancel_requested, handler_failures, lost_count,"
@@ -273,7 +276,12 @@ class SqlStore(Store):
             # A retry after an ambiguous commit (connection lost) must not fail.
             " ON CONFLICT (id) DO NOTHING"
         )
-        rows = [
+        self._executemany(tx, sql, rows)
+
+    @staticmethod
+    def _work_rows(items: Sequence[NewWork]) -> list[tuple[Any, ...]]:
+        retry_text: dict[RetryBehavior | None, str | None] = {}  # one encoding per batch
+        return [
             (
                 w.id,
                 w.pool,
@@ -282,14 +290,15 @@ class SqlStore(Store):
                 w.args,
                 w.on_complete,
                 w.context,
-                _retry_json(w.retry),
+                retry_text[w.retry]
+                if w.retry in retry_text
+                else retry_text.setdefault(w.retry, _retry_json(w.retry)),
                 w.timeout,
                 w.due_at,
                 w.enqueued_at,
             )
             for w in items
         ]
-        self._executemany(tx, sql, rows)
 
     def _executemany(self, tx: Tx, sql: str, rows: list[tuple[Any, ...]]) -> None:
         tx.connection.executemany(sql, rows)
@@ -525,9 +534,10 @@ class SqlStore(Store):
     def cancelable_ids(self, tx: Tx, pool: str, before: float, limit: int) -> list[str]:
         rows = self.q(
             tx,
-            "SELECT id FROM {s}work WHERE pool = ? AND enqueued_at <= ?"
-            " AND (state = 'pending' OR (state = 'running' AND cancel_requested = 0))"
-            " ORDER BY enqueued_at DESC LIMIT ?",
+            # Walks the (pool, state, ...) index: canceled pending rows leave the state,
+            # flagged running rows are at most max_parallelism, so each page is cheap.
+            "SELECT id FROM {s}work WHERE pool = ? AND state IN ('pending', 'running')"
+            " AND cancel_requested = 0 AND enqueued_at <= ? LIMIT ?",
             (pool, before, limit),
         ).fetchall()
         return [r[0] for r in rows]

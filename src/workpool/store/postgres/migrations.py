@@ -53,7 +53,6 @@ MIGRATIONS: list[str] = [
     -- Claims, the running count, handler retries and the rescuer all have equality
     -- on (pool, state); one index serves them all, in due order.
     CREATE INDEX work_due ON {s}work (pool, state, due_at, id);
-    CREATE INDEX work_enqueued ON {s}work (pool, enqueued_at);
     -- Finished work and its result, kept for the pool's status_ttl; append-mostly.
     CREATE TABLE {s}finished (
         id text PRIMARY KEY,

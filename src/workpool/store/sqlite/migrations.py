@@ -47,9 +47,8 @@ MIGRATIONS: list[str] = [
     -- One index serves claims (pending by due time), the running count, handler
     -- retries and the rescuer: every hot query has equality on (pool, state). SQLite
     -- keeps no statistics by default, so a single index that matches them all is what
-    -- its planner reliably picks over (pool, enqueued_at).
+    -- its planner reliably picks, and every extra index would slow every enqueue.
     CREATE INDEX work_due ON work (pool, state, due_at, id);
-    CREATE INDEX work_enqueued ON work (pool, enqueued_at);
     -- Finished work and its result, kept for the pool's status_ttl.
     CREATE TABLE finished (
         id TEXT PRIMARY KEY,
