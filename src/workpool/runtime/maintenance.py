@@ -76,12 +76,20 @@ class Maintenance:
         pools = [p for p in self.worker.served() if p in self.worker.configs]
         if not pools:
             return
-        if self._due("rescue", now, RESCUE_EVERY_S) and self._settled(now):
-            self.rescue(pools, now)
+        rescue = self._due("rescue", now, RESCUE_EVERY_S) and self._settled(now)
+        handlers = self._due("handlers", now, HANDLERS_EVERY_S)
+        if rescue or handlers:
+            # A read first: the write transactions (on SQLite, the write lock) are
+            # taken only when there is something to rescue or retry.
+            lost, due = self.store.run(
+                lambda tx: self.store.maintenance_due(tx, pools, now), readonly=True
+            )
+            if rescue and lost:
+                self.rescue(pools, now)
+            if handlers and due:
+                self.retry_handlers(pools, now)
         if self._due("orphans", now, ORPHANS_EVERY_S):
             self.adopt_orphans(now)
-        if self._due("handlers", now, HANDLERS_EVERY_S):
-            self.retry_handlers(pools, now)
         if self._due("duties", now, 1.0):
             for pool in pools:
                 self.duties(pool, now)

@@ -316,6 +316,10 @@ class Store(abc.ABC):
         """Counters per minute bucket from ``since_bucket`` on, summed over workers."""
 
     @abc.abstractmethod
+    def maintenance_due(self, tx: Tx, pools: Sequence[str], now: float) -> tuple[bool, bool]:
+        """(any lost work, any handler retry due) in ``pools``: a read, no locks."""
+
+    @abc.abstractmethod
     def running_of(self, tx: Tx, worker_id: str) -> list[tuple[str, int, float]]:
         """(id, attempt, started_at) of every running attempt claimed by ``worker_id``."""
 

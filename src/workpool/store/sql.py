@@ -514,6 +514,19 @@ class SqlStore(Store):
             for r in rows
         ]
 
+    def maintenance_due(self, tx: Tx, pools: Sequence[str], now: float) -> tuple[bool, bool]:
+        marks = ", ".join("?" * len(pools))
+        row = self.q(
+            tx,
+            "SELECT EXISTS (SELECT 1 FROM {s}work w WHERE state = 'running'"
+            f" AND pool IN ({marks}) AND NOT EXISTS (SELECT 1 FROM {{s}}workers k"
+            " WHERE k.id = w.worker_id AND k.expires_at > ?)),"
+            " EXISTS (SELECT 1 FROM {s}work WHERE state = 'completing' AND due_at <= ?"
+            f" AND pool IN ({marks}))",
+            (*pools, now, now, *pools),
+        ).fetchone()
+        return bool(row[0]), bool(row[1])
+
     def running_of(self, tx: Tx, worker_id: str) -> list[tuple[str, int, float]]:
         rows = self.q(
             tx,
