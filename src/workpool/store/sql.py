@@ -9,75 +9,29 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any, ClassVar
 
-from workpool.core import histogram
 from workpool.core.errors import StoreUnavailableError
-from workpool.core.results import WorkInfo, result_from_json
 from workpool.core.retry import RetryBehavior
 from workpool.store.base import (
     ActiveWork,
     ClaimedWork,
-    Counters,
-    FinishedRow,
     Finishing,
     Handing,
     NewWork,
     PoolConfig,
-    PoolCounts,
     Retrying,
-    StatusRow,
     Store,
     T,
     Tx,
     WorkerInfo,
 )
-
-ACTIVE_COLUMNS = (
-    "id, pool, kind, fn_name, state, attempt, retry, on_complete, context, cancel_requested,"
-    " enqueued_at, due_at, result, handler_failures, lost_count, last_error, worker_id,"
-    " started_at"
-)
-IN_CHUNK = 500
-HIST_COLUMNS = tuple(
-    f"lag_h{i}" for i in range(len(histogram.LAG_BOUNDS))
-)  # ids per IN (...) list: well under SQLite's variable limit
+from workpool.store.sql_reads import ACTIVE_COLUMNS, IN_CHUNK, SqlReads, active_row
 
 
 def _retry_json(retry: RetryBehavior | None) -> str | None:
     return None if retry is None else json.dumps(retry.to_json())
 
 
-def _decoded(text: str) -> Any:
-    """Stored JSON, or the raw text when a row holds something that is not JSON."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
-def _active(row: Sequence[Any]) -> ActiveWork:
-    return ActiveWork(
-        id=row[0],
-        pool=row[1],
-        kind=row[2],
-        fn_name=row[3],
-        state=row[4],
-        attempt=int(row[5]),
-        retry=None if row[6] is None else RetryBehavior.from_json(json.loads(row[6])),
-        on_complete=row[7],
-        context=row[8],
-        cancel_requested=bool(row[9]),
-        enqueued_at=float(row[10]),
-        due_at=float(row[11]),
-        result=row[12],
-        handler_failures=int(row[13]),
-        lost_count=int(row[14]),
-        last_error=row[15],
-        worker_id=row[16],
-        started_at=None if row[17] is None else float(row[17]),
-    )
-
-
-class SqlStore(Store):
+class SqlStore(SqlReads, Store):
     """Store operations in portable SQL; subclasses supply connections and the hooks below.
 
     Queries are written with ``?`` placeholders and ``{s}`` before table names;
@@ -347,7 +301,7 @@ class SqlStore(Store):
         row = self.q(
             tx, f"SELECT {ACTIVE_COLUMNS} FROM {{s}}work WHERE id = ?" + self.for_update, (work_id,)
         ).fetchone()
-        return None if row is None else _active(row)
+        return None if row is None else active_row(row)
 
     def load_many_for_update(self, tx: Tx, ids: Sequence[str]) -> dict[str, ActiveWork]:
         found: dict[str, ActiveWork] = {}
@@ -362,7 +316,7 @@ class SqlStore(Store):
                 chunk,
             ).fetchall()
             for row in rows:
-                found[row[0]] = _active(row)
+                found[row[0]] = active_row(row)
         return found
 
     def finish_many(self, tx: Tx, items: Sequence[Finishing], now: float) -> None:
@@ -435,7 +389,7 @@ class SqlStore(Store):
             f" AND pool IN ({marks}) ORDER BY due_at LIMIT ?" + self.skip_locked,
             (now, *pools, limit),
         ).fetchall()
-        return [_active(r) for r in rows]
+        return [active_row(r) for r in rows]
 
     def lost_work(self, tx: Tx, pools: Sequence[str], now: float, limit: int) -> list[ActiveWork]:
         marks = ", ".join("?" * len(pools))
@@ -446,73 +400,7 @@ class SqlStore(Store):
             " WHERE k.id = w.worker_id AND k.expires_at > ?) LIMIT ?" + self.skip_locked,
             (*pools, now, limit),
         ).fetchall()
-        return [_active(r) for r in rows]
-
-    def work_info(self, tx: Tx, work_id: str) -> WorkInfo | None:
-        row = self.q(
-            tx,
-            "SELECT id, pool, kind, fn_name, state, args, attempt, enqueued_at, due_at,"
-            " started_at, worker_id, last_error, result, on_complete, cancel_requested, retry,"
-            " timeout FROM {s}work WHERE id = ?",
-            (work_id,),
-        ).fetchone()
-        if row is not None:
-            retry = None if row[15] is None else json.loads(row[15])
-            return WorkInfo(
-                work_id=row[0],
-                pool=row[1],
-                kind=row[2],
-                fn_name=row[3],
-                state=row[4],
-                args=_decoded(row[5]),
-                attempts=int(row[6]),
-                enqueued_at=float(row[7]),
-                due_at=float(row[8]),
-                started_at=None if row[9] is None else float(row[9]),
-                worker_id=row[10],
-                last_error=row[11],
-                result=None if row[12] is None else result_from_json(row[12]),
-                on_complete=row[13],
-                cancel_requested=bool(row[14]),
-                max_attempts=None if retry is None else int(retry["max_attempts"]),
-                timeout=None if row[16] is None else float(row[16]),
-            )
-        found = self._finished_info(tx, "id = ?", (work_id,), 1)
-        return found[0] if found else None
-
-    def recent_failures(self, tx: Tx, pool: str, limit: int) -> list[WorkInfo]:
-        return self._finished_info(
-            tx, "pool = ? AND outcome = 'failed'", (pool,), limit, order="finished_at DESC"
-        )
-
-    def _finished_info(
-        self, tx: Tx, where: str, params: tuple[Any, ...], limit: int, order: str = "id"
-    ) -> list[WorkInfo]:
-        rows = self.q(
-            tx,
-            "SELECT id, pool, kind, fn_name, args, attempts, enqueued_at, finished_at,"
-            " last_error, result, on_complete, handler_error FROM {s}finished"
-            f" WHERE {where} ORDER BY {order} LIMIT ?",
-            (*params, limit),
-        ).fetchall()
-        return [
-            WorkInfo(
-                work_id=r[0],
-                pool=r[1],
-                kind=r[2],
-                fn_name=r[3],
-                state="finished",
-                args=_decoded(r[4]),
-                attempts=int(r[5]),
-                enqueued_at=float(r[6]),
-                finished_at=float(r[7]),
-                last_error=r[8],
-                result=result_from_json(r[9]),
-                on_complete=r[10],
-                on_complete_error=r[11],
-            )
-            for r in rows
-        ]
+        return [active_row(r) for r in rows]
 
     def maintenance_due(self, tx: Tx, pools: Sequence[str], now: float) -> tuple[bool, bool]:
         marks = ", ".join("?" * len(pools))
@@ -555,30 +443,6 @@ class SqlStore(Store):
         ).fetchall()
         return [r[0] for r in rows]
 
-    def statuses(self, tx: Tx, ids: Sequence[str]) -> dict[str, StatusRow]:
-        found: dict[str, StatusRow] = {}
-        for chunk in self.iter_chunks(ids, IN_CHUNK):
-            marks = ", ".join("?" * len(chunk))
-            for row in self.q(
-                tx, f"SELECT {ACTIVE_COLUMNS} FROM {{s}}work WHERE id IN ({marks})", chunk
-            ).fetchall():
-                found[row[0]] = StatusRow(active=_active(row))
-            for row in self.q(
-                tx,
-                "SELECT id, pool, result, attempts, finished_at, handler_error"
-                f" FROM {{s}}finished WHERE id IN ({marks})",
-                chunk,
-            ).fetchall():
-                found.setdefault(
-                    row[0],
-                    StatusRow(
-                        finished=FinishedRow(
-                            row[0], row[1], row[2], int(row[3]), float(row[4]), row[5]
-                        )
-                    ),
-                )
-        return found
-
     def prune(self, tx: Tx, pool: str, before: float, limit: int) -> int:
         cur = self.q(
             tx,
@@ -606,107 +470,6 @@ class SqlStore(Store):
         # work is rescued independently (a missing worker row counts as expired).
         cur = self.q(tx, "DELETE FROM {s}workers WHERE expires_at < ?", (now - 3600.0,))
         return int(cur.rowcount)
-
-    _SUMMED = (
-        "completed",
-        "succeeded",
-        "failed",
-        "retries",
-        "canceled",
-        "lag_count",
-        "lag_sum",
-        *HIST_COLUMNS,
-    )
-
-    def add_counters(
-        self, tx: Tx, pool: str, worker_id: str, bucket: int, counters: Counters
-    ) -> None:
-        # One row per (pool, worker, minute): completions of different workers never
-        # update the same row.
-        columns = (*self._SUMMED, "lag_max")
-        sums = ", ".join(f"{c} = {{s}}counters.{c} + excluded.{c}" for c in self._SUMMED)
-        self.q(
-            tx,
-            f"INSERT INTO {{s}}counters (pool, worker_id, bucket, {', '.join(columns)})"
-            f" VALUES (?, ?, ?, {', '.join('?' * len(columns))})"
-            f" ON CONFLICT (pool, worker_id, bucket) DO UPDATE SET {sums},"
-            " lag_max = CASE WHEN excluded.lag_max > {s}counters.lag_max"
-            " THEN excluded.lag_max ELSE {s}counters.lag_max END",
-            (
-                pool,
-                worker_id,
-                bucket,
-                counters.completed,
-                counters.succeeded,
-                counters.failed,
-                counters.retries,
-                counters.canceled,
-                counters.lag_count,
-                counters.lag_sum,
-                *counters.lag_hist,
-                counters.lag_max,
-            ),
-        )
-
-    @staticmethod
-    def _counters(row: Sequence[Any]) -> Counters:
-        hist = tuple(int(v or 0) for v in row[7 : 7 + len(HIST_COLUMNS)])
-        return Counters(
-            int(row[0] or 0),
-            int(row[1] or 0),
-            int(row[2] or 0),
-            int(row[3] or 0),
-            int(row[4] or 0),
-            int(row[5] or 0),
-            float(row[6] or 0),
-            float(row[7 + len(HIST_COLUMNS)] or 0),
-            hist,
-        )
-
-    def read_counters(self, tx: Tx, pool: str, since_bucket: int) -> Counters:
-        sums = ", ".join(f"sum({c})" for c in self._SUMMED)
-        row = self.q(
-            tx,
-            f"SELECT {sums}, max(lag_max) FROM {{s}}counters WHERE pool = ? AND bucket >= ?",
-            (pool, since_bucket),
-        ).fetchone()
-        return self._counters(row)
-
-    def history(self, tx: Tx, pool: str, since_bucket: int) -> list[tuple[int, Counters]]:
-        sums = ", ".join(f"sum({c})" for c in self._SUMMED)
-        rows = self.q(
-            tx,
-            f"SELECT {sums}, max(lag_max), bucket FROM {{s}}counters WHERE pool = ?"
-            " AND bucket >= ? GROUP BY bucket ORDER BY bucket",
-            (pool, since_bucket),
-        ).fetchall()
-        return [(int(row[-1]), self._counters(row)) for row in rows]
-
-    def prune_counters(self, tx: Tx, pool: str, before_bucket: int) -> int:
-        cur = self.q(
-            tx, "DELETE FROM {s}counters WHERE pool = ? AND bucket < ?", (pool, before_bucket)
-        )
-        return int(cur.rowcount)
-
-    def pool_counts(self, tx: Tx, pool: str, now: float) -> PoolCounts:
-        row = self.q(
-            tx,
-            "SELECT coalesce(sum(CASE WHEN state = 'running' THEN 1 ELSE 0 END), 0),"
-            " coalesce(sum(CASE WHEN state = 'pending' AND due_at <= ? THEN 1 ELSE 0 END), 0),"
-            " coalesce(sum(CASE WHEN state = 'pending' AND due_at > ? THEN 1 ELSE 0 END), 0),"
-            " coalesce(sum(CASE WHEN state = 'completing' THEN 1 ELSE 0 END), 0)"
-            " FROM {s}work WHERE pool = ?",
-            (now, now, pool),
-        ).fetchone()
-        finished = self.q(tx, "SELECT count(*) FROM {s}finished WHERE pool = ?", (pool,)).fetchone()
-        return PoolCounts(int(row[0]), int(row[1]), int(row[2]), int(row[3]), int(finished[0]))
-
-    def active_count(self, tx: Tx, pools: Sequence[str]) -> int:
-        marks = ", ".join("?" * len(pools))
-        row = self.q(
-            tx, f"SELECT count(*) FROM {{s}}work WHERE pool IN ({marks})", list(pools)
-        ).fetchone()
-        return int(row[0])
 
     def next_due(self, tx: Tx, pools: Sequence[str]) -> float | None:
         # One min() per (pool, state): each is a single index probe, where a min over
