@@ -29,6 +29,10 @@ BATCH = 32  # rows rescued / handlers retried per transaction
 PRUNE_BATCH = 500  # finished rows deleted per transaction
 PRUNE_MAX_BATCHES = 20  # per pool per round: a huge backlog is worked off over rounds
 COUNTER_RETENTION_S = 86_400.0
+# Claims and the running count walk index entries of rows that have since moved
+# on; until vacuum removes them each scan gets slower. Autovacuum wakes once a
+# minute at best, so under heavy churn a worker tidies the hot table itself.
+TIDY_EVERY_S = 15.0
 
 
 class Maintenance:
@@ -93,6 +97,10 @@ class Maintenance:
         if self._due("duties", now, 1.0):
             for pool in pools:
                 self.duties(pool, now)
+            store = self.store
+            # "" is no pool name: a duty of the whole store, one worker at a time.
+            if store.run(lambda tx: store.take_turn(tx, "", "tidy", now, TIDY_EVERY_S)):
+                store.tidy()
 
     def heartbeat(self, now: float) -> None:
         worker = self.worker

@@ -342,6 +342,10 @@ class Store(abc.ABC):
 
     # --- workers, counters, introspection ---------------------------------------------
     @abc.abstractmethod
+    def tidy(self) -> None:
+        """Housekeeping of the hot table between transactions (PostgreSQL: VACUUM)."""
+
+    @abc.abstractmethod
     def heartbeat(self, tx: Tx, worker: WorkerInfo, now: float, expires_at: float) -> None: ...
 
     @abc.abstractmethod

@@ -151,6 +151,12 @@ class PostgresStore(SqlStore):
                 self._conn_pool.close()
                 self._conn_pool = None
 
+    def tidy(self) -> None:
+        # VACUUM cannot run inside a transaction: our pooled connections are in
+        # autocommit mode between the explicit BEGINs of workpool transactions.
+        with self._connections().connection() as conn:
+            conn.execute(f"VACUUM (ANALYZE) {self.table_prefix}work")
+
     def adopt(self, connection: Any) -> Tx | None:
         if isinstance(connection, psycopg.Connection):
             return Tx(connection, self)
