@@ -11,7 +11,6 @@ Threads of one worker process (each loop owns its own store connection):
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import os
 import queue
@@ -36,6 +35,7 @@ from workpool.runtime.maintenance import Maintenance
 from workpool.runtime.registry import FnSpec, Registry
 from workpool.store.base import ClaimedWork, PoolConfig, Store, Tx, Watcher, WorkerInfo
 
+_PAUSED = PoolConfig("", max_parallelism=0)
 CLAIM_BATCH = 100  # attempts claimed per pool per transaction: bounds claim latency
 COMPLETE_BATCH = 64  # action outcomes recorded per transaction (group commit)
 IDLE_POLL_S = 1.0  # longest sleep without a wake-up: covers missed notifications
@@ -86,7 +86,6 @@ class Worker:
             queue.Queue()
         )
         self._unrecorded: set[tuple[str, int]] = set()  # outcomes queued or being written
-        self._rotation = itertools.count()
         self.executor: Executor | None = None
         self.maintenance = Maintenance(self)
 
@@ -182,21 +181,34 @@ class Worker:
     def _claim(self, free: int) -> list[ClaimedWork]:
         def body(tx: Tx) -> list[ClaimedWork]:
             self.configs = {c.name: c for c in self.store.load_pools(tx)}
-            served = [p for p in self.served() if p in self.configs]
+            # Pool claim locks are taken in one global (sorted) order, so two workers
+            # serving the same pools can never deadlock on them.
+            served = sorted(
+                p for p in self.served() if self.configs.get(p, _PAUSED).max_parallelism
+            )
             if not served:
                 return []
-            shift = next(self._rotation) % len(served)
             now = self.clock()
             claimed: list[ClaimedWork] = []
-            for name in served[shift:] + served[:shift]:
-                config = self.configs[name]
+            share = max(1, free // len(served))
+            hungry = []
+            for name in served:  # a fair share each first ...
+                room = min(free - len(claimed), share, CLAIM_BATCH)
+                if room <= 0:
+                    break
+                got = self.store.claim(
+                    tx, name, room, self.configs[name].max_parallelism, self.info.id, now
+                )
+                claimed += got
+                if len(got) == room:
+                    hungry.append(name)
+            for name in hungry:  # ... then what is left to those with more due (locks held)
                 room = min(free - len(claimed), CLAIM_BATCH)
                 if room <= 0:
                     break
-                if config.max_parallelism > 0:
-                    claimed += self.store.claim(
-                        tx, name, room, config.max_parallelism, self.info.id, now
-                    )
+                claimed += self.store.claim(
+                    tx, name, room, self.configs[name].max_parallelism, self.info.id, now
+                )
             return claimed
 
         return self.store.run(body)

@@ -92,12 +92,20 @@ class PostgresStore(SqlStore):
 
     def _begin(self, readonly: bool) -> tuple[Any, Callable[[bool], None]]:
         pool = self._connections()
-        conn = pool.getconn()
-        try:
-            conn.execute("BEGIN READ ONLY" if readonly else "BEGIN")
-        except BaseException:
-            pool.putconn(conn)
-            raise
+        # A pooled connection may have died while idle (server restart, a cut): the
+        # pool discards it on putconn, and nothing has run yet, so take another.
+        for tries_left in range(self.pool_size, -1, -1):
+            conn = pool.getconn()
+            try:
+                conn.execute("BEGIN READ ONLY" if readonly else "BEGIN")
+                break
+            except psycopg.OperationalError:
+                pool.putconn(conn)
+                if tries_left == 0:
+                    raise
+            except BaseException:
+                pool.putconn(conn)
+                raise
 
         def end(commit: bool) -> None:
             try:
@@ -123,27 +131,26 @@ class PostgresStore(SqlStore):
         time.sleep(min(0.005 * 2**attempt, 2.0) * (0.5 + random.random()))
 
     def migrate(self) -> None:
-        if self._migrated:
-            return
-        with self.transaction() as tx:
-            # Many processes may start at once: one migrates, the others wait here.
-            tx.execute(
-                "SELECT pg_advisory_xact_lock(hashtext('workpool.migrate'), hashtext(%s))",
-                (self.schema,),
-            )
-            tx.execute(f'CREATE SCHEMA IF NOT EXISTS "{self.schema}"')
-            tx.execute(
-                f"CREATE TABLE IF NOT EXISTS {self.table_prefix}schema_version"
-                " (version integer NOT NULL)"
-            )
-            row = tx.execute(
-                f"SELECT max(version) FROM {self.table_prefix}schema_version"
-            ).fetchone()
-            version = int(row[0] or 0)
-            for number, script in enumerate(MIGRATIONS[version:], start=version + 1):
-                tx.execute(script.replace("{s}", self.table_prefix))
-                tx.execute(f"INSERT INTO {self.table_prefix}schema_version VALUES (%s)", (number,))
-        self._migrated = True
+        if not self._migrated:
+            self.run(self._migrate)  # retried like any transaction: cuts, restarts
+            self._migrated = True
+
+    def _migrate(self, tx: Tx) -> None:
+        # Many processes may start at once: one migrates, the others wait here.
+        tx.execute(
+            "SELECT pg_advisory_xact_lock(hashtext('workpool.migrate'), hashtext(%s))",
+            (self.schema,),
+        )
+        tx.execute(f'CREATE SCHEMA IF NOT EXISTS "{self.schema}"')
+        tx.execute(
+            f"CREATE TABLE IF NOT EXISTS {self.table_prefix}schema_version"
+            " (version integer NOT NULL)"
+        )
+        row = tx.execute(f"SELECT max(version) FROM {self.table_prefix}schema_version").fetchone()
+        version = int(row[0] or 0)
+        for number, script in enumerate(MIGRATIONS[version:], start=version + 1):
+            tx.execute(script.replace("{s}", self.table_prefix))
+            tx.execute(f"INSERT INTO {self.table_prefix}schema_version VALUES (%s)", (number,))
 
     def close(self) -> None:
         with self._conn_pool_lock:
