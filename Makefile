@@ -27,5 +27,26 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+bench:
+	@test -x bench/.venv/bin/python || $(PYTHON) -m venv bench/.venv
+	@if [ ! -f bench/.venv/.installed ] || [ bench/requirements.txt -nt bench/.venv/.installed ] \
+	    || [ pyproject.toml -nt bench/.venv/.installed ]; then \
+	  bench/.venv/bin/pip install --quiet --upgrade pip && \
+	  bench/.venv/bin/pip install --quiet -r bench/requirements.txt -e . && \
+	  touch bench/.venv/.installed; fi
+	bench/.venv/bin/python bench/run.py $(BENCH_ARGS)
+
+# The chaos run on both stores (docs/reliability.md): CHAOS_SECONDS of SIGKILLs per store,
+# plus connection cuts and two server restarts on PostgreSQL; CHAOS_ARGS go to both runs.
+CHAOS_SECONDS ?= 240
+CHAOS_PG_URL ?= postgresql://postgres@127.0.0.1:5432/test
+
+chaos: $(STAMP)
+	@status=0; \
+	$(BIN)/python -m chaos.run --store sqlite --seconds $(CHAOS_SECONDS) $(CHAOS_ARGS) || status=1; \
+	$(BIN)/python -m chaos.run --store postgres --url '$(CHAOS_PG_URL)' --seconds $(CHAOS_SECONDS) \
+	    --restart-server $(CHAOS_ARGS) || status=1; \
+	exit $$status
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
