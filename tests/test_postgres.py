@@ -8,10 +8,9 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import background_worker, pg_schema_of, run_until_idle, wait_for
 
 import workpool
-
+from conftest import background_worker, pg_schema_of, run_until_idle, wait_for
 
 pytestmark = pytest.mark.parametrize("store_url", ["postgres"], indirect=True)
 
@@ -166,3 +165,60 @@ def test_migrations_are_safe_when_many_processes_start_at_once(pg_url: str) -> N
 def test_schema_names_are_validated(pg_url: str) -> None:
     with pytest.raises(ValueError, match="schema"):
         workpool.App("postgresql://postgres@127.0.0.1/test", schema='x"; DROP TABLE y; --')
+
+
+def _deadlocks(pg_url: str) -> int:
+    with psycopg.connect(_conninfo(pg_url), autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"
+        ).fetchone()
+    return int(row[0])
+
+
+def test_workers_serving_several_pools_never_deadlock_on_claims(pg_url: str) -> None:
+    """Claims lock pools in one global order: two workers on two pools never deadlock."""
+    apps = [workpool.App(pg_url) for _ in range(3)]
+    for app in apps:
+
+        @app.action(name="noop")
+        def noop() -> None:
+            return None
+
+    ids = {
+        name: apps[0].pool(name, max_parallelism=50).enqueue_action_batch("noop", [{}] * 300)
+        for name in ("a", "b")
+    }
+    before = _deadlocks(pg_url)
+    workers = [
+        threading.Thread(
+            target=app.run_worker, kwargs={"concurrency": 20, "until_idle": True, "lease": 3.0}
+        )
+        for app in apps
+    ]
+    for thread in workers:
+        thread.start()
+    for thread in workers:
+        thread.join(120)
+    try:
+        assert not any(t.is_alive() for t in workers), "workers did not drain"
+        for name, wids in ids.items():
+            statuses = apps[0].pool(name).status_batch(wids)
+            assert all(s == workpool.Finished(workpool.Success(None)) for s in statuses)
+        assert _deadlocks(pg_url) == before
+    finally:
+        for app in apps:
+            app.stop_workers()
+            app.close()
+
+
+def test_user_transaction_after_idle_connections_were_cut(pg_app: Any, pg_url: str) -> None:
+    pool = pg_app.pool("cut_idle")
+    pool.stats()  # opens pooled connections, now idle
+    with psycopg.connect(_conninfo(pg_url), autocommit=True) as admin:
+        admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE application_name = 'workpool' AND pid <> pg_backend_pid()"
+            " AND state = 'idle'"
+        )
+    with pg_app.transaction() as tx:  # begins on a live connection, not the dead one
+        assert tx.execute("SELECT 1").fetchone() == (1,)
