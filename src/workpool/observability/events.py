@@ -29,11 +29,14 @@ LEVELS = {
 logger = logging.getLogger("workpool")
 
 
+def shown(level: int, pool_level: str) -> bool:
+    """Would an event at ``level`` print for a pool at ``pool_level``?"""
+    return level >= LEVELS.get(pool_level, REPORT) and logger.isEnabledFor(level)
+
+
 def emit(event: str, level: int, pool_level: str, **fields: Any) -> None:
     """Log ``event`` if the pool's level lets it through."""
-    if level < LEVELS.get(pool_level, REPORT):
-        return
-    if not logger.isEnabledFor(level):
+    if not shown(level, pool_level):
         return
     logger.log(level, json.dumps({"component": "workpool", "event": event, **fields}))
 

@@ -253,14 +253,16 @@ class Worker:
         deadline = None if work.timeout is None else time.monotonic() + work.timeout
         with self._lock:
             self._inflight[(work.id, work.attempt)] = _InFlight(work, deadline)
-        events.started(
-            self.pool_level(work.pool),
-            pool=work.pool,
-            work_id=work.id,
-            fn_name=work.fn_name,
-            attempt=work.attempt,
-            start_lag=work.started_at - work.due_at,
-        )
+        level = self.pool_level(work.pool)
+        if events.shown(events.INFO, level):  # skip building the event when it is filtered
+            events.started(
+                level,
+                pool=work.pool,
+                work_id=work.id,
+                fn_name=work.fn_name,
+                attempt=work.attempt,
+                start_lag=work.started_at - work.due_at,
+            )
         spec = self.registry.get(work.fn_name)
         if spec is None or spec.kind != work.kind:
             self._report(

@@ -26,7 +26,8 @@ MIGRATIONS: list[str] = [
     );
     -- Active work only (pending, running, completing): the table every claim reads.
     -- Rows are updated a few times each and then deleted, so leave room for HOT
-    -- updates and let autovacuum visit early.
+    -- updates and let autovacuum visit after a fixed number of dead rows, not a
+    -- share of the table: claims walk past dead index entries until it does.
     CREATE TABLE {s}work (
         id text PRIMARY KEY,
         pool text NOT NULL,
@@ -48,8 +49,10 @@ MIGRATIONS: list[str] = [
         handler_failures integer NOT NULL,
         lost_count integer NOT NULL,
         enqueued_at double precision NOT NULL
-    ) WITH (fillfactor = 70, autovacuum_vacuum_scale_factor = 0.02,
-            autovacuum_vacuum_insert_scale_factor = 0.05, autovacuum_analyze_scale_factor = 0.05);
+    ) WITH (fillfactor = 70, autovacuum_vacuum_scale_factor = 0,
+            autovacuum_vacuum_threshold = 2000, autovacuum_vacuum_insert_scale_factor = 0,
+            autovacuum_vacuum_insert_threshold = 5000, autovacuum_analyze_scale_factor = 0,
+            autovacuum_analyze_threshold = 5000);
     -- Claims, the running count, handler retries and the rescuer all have equality
     -- on (pool, state); one index serves them all, in due order.
     CREATE INDEX work_due ON {s}work (pool, state, due_at, id);
