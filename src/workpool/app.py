@@ -11,10 +11,11 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar, overload
+from urllib.parse import urlsplit
 
-from workpool.core.errors import InvalidArgumentError, InvalidTypeError
+from workpool.core.errors import InvalidArgumentError, InvalidTypeError, show
 from workpool.core.results import WorkInfo
-from workpool.core.validation import check_name, check_seconds
+from workpool.core.validation import check_int, check_name, check_seconds
 from workpool.observability import events
 from workpool.pool import Pool, check_pool_options
 from workpool.runtime.completion import Completion
@@ -112,7 +113,7 @@ class App:
     def inspect(self, work_id: str) -> WorkInfo | None:
         """Everything about one work item of any pool (None once unknown or expired)."""
         if not isinstance(work_id, str):
-            raise InvalidTypeError(f"a work id must be a str, got {work_id!r:.80}")
+            raise InvalidTypeError(f"a work id must be a str, got {show(work_id)}")
         return self.run(lambda tx: self.store.work_info(tx, work_id), readonly=True)
 
     async def inspect_async(self, work_id: str) -> WorkInfo | None:
@@ -135,7 +136,7 @@ class App:
         adopted = self.store.adopt(tx)
         if adopted is None:
             raise InvalidTypeError(
-                f"tx must be a workpool Tx or a connection of this store's driver, got {tx!r:.80}"
+                f"tx must be a workpool Tx or a connection of this store's driver, got {show(tx)}"
             )
         return body(adopted)
 
@@ -208,16 +209,16 @@ class App:
     ) -> Worker:
         if pools is not None:
             if isinstance(pools, str) or not isinstance(pools, Sequence):
-                raise InvalidTypeError(f"pools must be a list of pool names, got {pools!r:.80}")
+                raise InvalidTypeError(f"pools must be a list of pool names, got {show(pools)}")
             pools = [check_name(p, "pool name") for p in pools]
         if concurrency is None:
             concurrency = DEFAULT_CONCURRENCY
-        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-            raise InvalidArgumentError(f"concurrency must be an int >= 1, got {concurrency!r}")
+        # Each unit of concurrency is a thread: a five-digit count is a typo, not a plan.
+        check_int(concurrency, "concurrency", 1, 10_000)
         if not isinstance(until_idle, bool):
-            raise InvalidTypeError(f"until_idle must be a bool, got {until_idle!r}")
-        lease = check_seconds(lease, "lease", minimum=0.1)
-        shutdown_grace = check_seconds(shutdown_grace, "shutdown_grace")
+            raise InvalidTypeError(f"until_idle must be a bool, got {show(until_idle)}")
+        lease = check_seconds(lease, "lease", minimum=0.1, maximum=86_400.0)
+        shutdown_grace = check_seconds(shutdown_grace, "shutdown_grace", maximum=86_400.0)
         self._migrate()
         # Declared pools exist in the store before the worker looks for work.
         for pool in list(self._pools.values()):
@@ -237,7 +238,9 @@ class App:
         self.store.close()
 
     def __repr__(self) -> str:
-        return f"App({self.url!r})"
+        parts = urlsplit(self.url)
+        url = self.url.replace(f":{parts.password}@", ":***@") if parts.password else self.url
+        return f"App({url!r})"
 
 
 def _default_logging() -> None:

@@ -8,7 +8,7 @@ from dataclasses import replace
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
-from workpool.core.errors import InvalidArgumentError, InvalidTypeError
+from workpool.core.errors import InvalidArgumentError, InvalidTypeError, show
 from workpool.core.ids import new_work_ids
 from workpool.core.results import (
     Finished,
@@ -22,6 +22,7 @@ from workpool.core.results import (
 from workpool.core.retry import RetryBehavior, resolve_retry
 from workpool.core.validation import (
     check_args,
+    check_int,
     check_log_level,
     check_max_parallelism,
     check_seconds,
@@ -70,13 +71,13 @@ def check_pool_options(
     if retry_actions_by_default is not None:
         if not isinstance(retry_actions_by_default, bool):
             raise InvalidTypeError(
-                f"retry_actions_by_default must be a bool, got {retry_actions_by_default!r:.80}"
+                f"retry_actions_by_default must be a bool, got {show(retry_actions_by_default)}"
             )
         options["retry_actions_by_default"] = retry_actions_by_default
     if default_retry is not None:
         if not isinstance(default_retry, RetryBehavior):
             raise InvalidTypeError(
-                f"default_retry must be a RetryBehavior, got {default_retry!r:.80}"
+                f"default_retry must be a RetryBehavior, got {show(default_retry)}"
             )
         options["default_retry"] = default_retry
     if log_level is not None:
@@ -170,8 +171,7 @@ class Pool:
 
     def history(self, minutes: int = 60) -> list[tuple[float, PoolStats]]:
         """Per-minute completions of the last ``minutes``: (minute start, counters as stats)."""
-        if isinstance(minutes, bool) or not isinstance(minutes, int) or not 1 <= minutes <= 1440:
-            raise InvalidArgumentError(f"minutes must be an int in 1..1440, got {minutes!r}")
+        check_int(minutes, "minutes", 1, 1440)
         store = self.app.store
 
         def body(tx: Tx) -> list[tuple[float, PoolStats]]:
@@ -188,8 +188,7 @@ class Pool:
 
     def recent_failures(self, limit: int = 20) -> list[WorkInfo]:
         """The newest finished items of this pool whose result is Failed."""
-        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 1000:
-            raise InvalidArgumentError(f"limit must be an int in 1..1000, got {limit!r}")
+        check_int(limit, "limit", 1, 1000)
         return self.app.run(
             lambda tx: self.app.store.recent_failures(tx, self.name, limit), readonly=True
         )
@@ -466,10 +465,8 @@ class Pool:
         ``limit`` caps how many items are canceled in all; work is canceled in
         transactions of a bounded size. Returns how many items were canceled.
         """
-        if limit is not None and (
-            isinstance(limit, bool) or not isinstance(limit, int) or limit < 1
-        ):
-            raise InvalidArgumentError(f"limit must be a positive int, got {limit!r}")
+        if limit is not None:
+            check_int(limit, "limit", 1)
         if before is None:
             cutoff = self.app.clock()
         elif isinstance(before, datetime):
@@ -477,7 +474,7 @@ class Pool:
                 raise InvalidArgumentError("before must be an aware datetime")
             cutoff = before.timestamp()
         else:
-            cutoff = check_seconds(before, "before")
+            cutoff = check_seconds(before, "before", maximum=float("inf"))  # unix time
         total = 0
         while limit is None or total < limit:
             page = CANCEL_PAGE if limit is None else min(CANCEL_PAGE, limit - total)
@@ -532,14 +529,14 @@ def _fields(config: PoolConfig) -> dict[str, Any]:
 
 def _as_list(args_list: object) -> list[Any]:
     if isinstance(args_list, str | bytes | dict) or not isinstance(args_list, Sequence):
-        raise InvalidTypeError(f"args_list must be a list of args dicts, got {args_list!r:.80}")
+        raise InvalidTypeError(f"args_list must be a list of args dicts, got {show(args_list)}")
     return list(args_list)
 
 
 def _check_ids(work_ids: object) -> list[str]:
     if isinstance(work_ids, str | bytes) or not isinstance(work_ids, Sequence):
-        raise InvalidTypeError(f"work ids must be a list of str, got {work_ids!r:.80}")
+        raise InvalidTypeError(f"work ids must be a list of str, got {show(work_ids)}")
     for work_id in work_ids:
         if not isinstance(work_id, str):
-            raise InvalidTypeError(f"a work id must be a str, got {work_id!r:.80}")
+            raise InvalidTypeError(f"a work id must be a str, got {show(work_id)}")
     return list(work_ids)

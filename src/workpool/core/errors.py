@@ -44,13 +44,30 @@ class NonRetryableError(Exception):
     workpool_non_retryable = True
 
 
+def show(value: object, limit: int = 80) -> str:
+    """A short repr for error messages that never raises (huge ints, broken __repr__)."""
+    try:
+        text = repr(value)
+    except Exception:
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def is_non_retryable(exc: BaseException) -> bool:
     return bool(getattr(exc, "workpool_non_retryable", False))
 
 
 def describe_error(exc: BaseException) -> str:
-    """The error text a ``Failed`` result carries: the message, else the class name."""
-    text = str(exc)
+    """The error text a ``Failed`` result carries: the message, else the class name.
+
+    Never raises (a broken ``__str__`` gives a placeholder) and carries no NUL
+    character, which PostgreSQL text cannot store.
+    """
+    try:
+        text = str(exc)
+    except Exception:
+        text = "<the exception's message could not be read>"
+    text = text.replace("\x00", "\\x00")
     if isinstance(exc, NonRetryableError) and text:
         return text
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -8,7 +8,7 @@ import re
 from datetime import datetime
 from typing import Any
 
-from workpool.core.errors import InvalidArgumentError, InvalidTypeError, PayloadTooLargeError
+from workpool.core.errors import InvalidArgumentError, InvalidTypeError, PayloadTooLargeError, show
 
 MAX_PAYLOAD_BYTES = 1_000_000
 PAST_CLAMP_SECONDS = 365 * 86_400.0  # run_at further back than this is "now"
@@ -40,10 +40,10 @@ def check_args(args: object) -> dict[str, Any]:
     if args is None:
         return {}
     if not isinstance(args, dict):
-        raise InvalidTypeError(f"args must be a dict of keyword arguments, got {args!r:.80}")
+        raise InvalidTypeError(f"args must be a dict of keyword arguments, got {show(args)}")
     for key in args:
         if not isinstance(key, str) or not key.isidentifier():
-            raise InvalidArgumentError(f"args keys must be identifiers, got {key!r:.80}")
+            raise InvalidArgumentError(f"args keys must be identifiers, got {show(key)}")
     return args
 
 
@@ -52,7 +52,7 @@ def check_name(name: object, what: str) -> str:
         raise InvalidTypeError(f"{what} must be a str, got {type(name).__name__}")
     if not NAME_RE.fullmatch(name):
         raise InvalidArgumentError(
-            f"{what} {name!r:.80} is not valid: use 1-128 letters, digits, '_', '.', ':' or '-',"
+            f"{what} {show(name)} is not valid: use 1-128 letters, digits, '_', '.', ':' or '-',"
             " starting with a letter or '_'"
         )
     return name
@@ -67,7 +67,7 @@ def check_fn_name(name: object) -> str:
         raise InvalidTypeError(f"function name must be a str, got {type(name).__name__}")
     if not FN_NAME_RE.fullmatch(name):
         raise InvalidArgumentError(
-            f"function name {name!r:.80} is not valid: use 1-200 letters, digits,"
+            f"function name {show(name)} is not valid: use 1-200 letters, digits,"
             " '_', '.', ':', '<', '>' or '-'"
         )
     return name
@@ -75,10 +75,24 @@ def check_fn_name(name: object) -> str:
 
 def _number(value: object, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidTypeError(f"{what} must be a number of seconds, got {value!r:.80}")
-    if not math.isfinite(value):
-        raise InvalidArgumentError(f"{what} must be finite, got {value}")
-    return float(value)
+        raise InvalidTypeError(f"{what} must be a number of seconds, got {show(value)}")
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond any float
+        raise InvalidArgumentError(f"{what} is too large: {show(value)}") from None
+    if not math.isfinite(number):
+        raise InvalidArgumentError(f"{what} must be finite, got {number}")
+    return number
+
+
+def check_int(value: object, what: str, low: int, high: int | None = None) -> int:
+    """An int within [low, high]: TypeError for other types, ValueError out of range."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidTypeError(f"{what} must be an int, got {show(value)}")
+    if value < low or (high is not None and value > high):
+        bound = f"in {low}..{high:,}" if high is not None else f">= {low}"
+        raise InvalidArgumentError(f"{what} must be {bound}, got {show(value)}")
+    return value
 
 
 def resolve_due_at(run_at: object, run_after: object, now: float) -> float:
@@ -111,6 +125,8 @@ def check_timeout(timeout: object) -> float | None:
     if timeout is None:
         return None
     value = _number(timeout, "timeout")
+    if value > MAX_FUTURE_SECONDS:
+        raise InvalidArgumentError(f"timeout must be <= 4 years, got {value:g} s")
     if value <= 0:
         raise InvalidArgumentError(f"timeout must be > 0 seconds, got {value}")
     return value
@@ -118,11 +134,11 @@ def check_timeout(timeout: object) -> float | None:
 
 def check_max_parallelism(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidTypeError(f"max_parallelism must be an int, got {value!r:.80}")
+        raise InvalidTypeError(f"max_parallelism must be an int, got {show(value)}")
     if value < 0:
-        raise InvalidArgumentError(f"max_parallelism must be >= 0 (0 pauses), got {value}")
+        raise InvalidArgumentError(f"max_parallelism must be >= 0 (0 pauses), got {show(value)}")
     if value > 1_000_000:
-        raise InvalidArgumentError(f"max_parallelism must be <= 1,000,000, got {value}")
+        raise InvalidArgumentError(f"max_parallelism must be <= 1,000,000, got {show(value)}")
     return value
 
 
@@ -137,8 +153,13 @@ def check_log_level(value: object) -> str:
     return level
 
 
-def check_seconds(value: object, what: str, *, minimum: float = 0.0) -> float:
+def check_seconds(
+    value: object, what: str, *, minimum: float = 0.0, maximum: float = MAX_FUTURE_SECONDS
+) -> float:
+    """A duration in seconds within [minimum, maximum] (default: at most 4 years)."""
     seconds = _number(value, what)
     if seconds < minimum:
         raise InvalidArgumentError(f"{what} must be >= {minimum} seconds, got {seconds}")
+    if seconds > maximum:
+        raise InvalidArgumentError(f"{what} must be <= {maximum:g} seconds, got {seconds:g}")
     return seconds

@@ -27,6 +27,7 @@ from workpool.store.base import ActiveWork, Counters, Finishing, Handing, Retryi
 # this many lost runs in a row it is failed, so one poisoned item cannot loop forever.
 MAX_LOST_RUNS = 5
 WORKER_LOST = "worker lost"
+CORRUPT_CONTEXT = "stored context is corrupt"
 
 
 class HandlerRaised(Exception):
@@ -175,7 +176,8 @@ class Completion:
             changes.finished.append(Finishing(work, result.kind, result_json))
             return
         failures = work.handler_failures + 1
-        final = failures >= HANDLER_RETRY.max_attempts
+        # A context that is not JSON will never decode: no point in retrying.
+        final = failures >= HANDLER_RETRY.max_attempts or error[0].startswith(CORRUPT_CONTEXT)
         events.handler_failed(
             self.pool_level(work.pool),
             pool=work.pool,
@@ -205,7 +207,13 @@ class Completion:
             if optimistic:
                 raise HandlerRaised(work.id, text, "")
             return text, ""
-        context = None if work.context is None else json.loads(work.context)
+        try:
+            context = None if work.context is None else json.loads(work.context)
+        except (ValueError, RecursionError) as exc:
+            text = f"{CORRUPT_CONTEXT}: {describe_error(exc)}"
+            if optimistic:
+                raise HandlerRaised(work.id, text, "") from exc
+            return text, ""
         try:
             if optimistic:
                 spec.fn(tx, work_id=work.id, context=context, result=result)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from workpool.core.errors import InvalidArgumentError, InvalidTypeError, NotRegisteredError
+from workpool.core.errors import InvalidArgumentError, InvalidTypeError, NotRegisteredError, show
 from workpool.core.validation import check_fn_name
 from workpool.store.base import FnKind
 
@@ -27,7 +27,7 @@ class Registry:
 
     def register(self, fn: Callable[..., Any], kind: FnKind, name: str | None) -> FnSpec:
         if not callable(fn):
-            raise InvalidTypeError(f"@app.{kind} needs a function, got {fn!r:.80}")
+            raise InvalidTypeError(f"@app.{kind} needs a function, got {show(fn)}")
         name = check_fn_name(name if name is not None else fn.__qualname__)
         is_async = inspect.iscoroutinefunction(fn)
         if is_async and kind != "action":
@@ -50,10 +50,13 @@ class Registry:
         if isinstance(fn, str):
             spec = self._by_name.get(fn)
         elif callable(fn):
-            spec = self._by_fn.get(fn)
+            try:
+                spec = self._by_fn.get(fn)
+            except TypeError:  # an unhashable callable cannot have been registered
+                spec = None
         else:
             raise InvalidTypeError(
-                f"{what} must be a registered function or its name, got {fn!r:.80}"
+                f"{what} must be a registered function or its name, got {show(fn)}"
             )
         if spec is None:
             label = fn if isinstance(fn, str) else getattr(fn, "__qualname__", repr(fn))

@@ -279,8 +279,9 @@ class Worker:
             args = json.loads(work.args)
             if not isinstance(args, dict):
                 raise ValueError("args are not a JSON object")
-        except ValueError as exc:
-            self._report(work, Raised(f"stored args are corrupt: {exc}", retryable=False), 0.0)
+        except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep JSON
+            reason = f"stored args are corrupt: {describe_error(exc)}"
+            self._report(work, Raised(reason, retryable=False), 0.0)
             self._release(work)
             return None
         if work.kind == "action" and spec.is_async:

@@ -24,7 +24,7 @@ from workpool.store.base import (
     Tx,
     WorkerInfo,
 )
-from workpool.store.sql_reads import ACTIVE_COLUMNS, IN_CHUNK, SqlReads, active_row
+from workpool.store.sql_reads import ACTIVE_COLUMNS, IN_CHUNK, SqlReads, active_row, storable
 
 
 def _retry_json(retry: RetryBehavior | None) -> str | None:
@@ -306,7 +306,7 @@ class SqlStore(SqlReads, Store):
     def load_many_for_update(self, tx: Tx, ids: Sequence[str]) -> dict[str, ActiveWork]:
         found: dict[str, ActiveWork] = {}
         # Sorted ids lock rows in one global order: completers cannot deadlock each other.
-        ordered = sorted(set(ids))
+        ordered = sorted(set(storable(ids)))
         for chunk in self.iter_chunks(ordered, IN_CHUNK):
             marks = ", ".join("?" * len(chunk))
             rows = self.q(

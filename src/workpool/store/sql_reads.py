@@ -53,6 +53,12 @@ def active_row(row: Sequence[Any]) -> ActiveWork:
     )
 
 
+def storable(ids: Sequence[str]) -> list[str]:
+    """Ids that could exist: one with a NUL character cannot be stored (PostgreSQL
+    text refuses it), so it is unknown rather than an error from the driver."""
+    return [i for i in ids if "\x00" not in i]
+
+
 def _chunks(ids: Sequence[str]) -> list[Sequence[str]]:
     return [ids[i : i + IN_CHUNK] for i in range(0, len(ids), IN_CHUNK)]
 
@@ -75,6 +81,8 @@ class SqlReads:
     )
 
     def work_info(self, tx: Tx, work_id: str) -> WorkInfo | None:
+        if not storable([work_id]):
+            return None
         row = self.q(
             tx,
             "SELECT id, pool, kind, fn_name, state, args, attempt, enqueued_at, due_at,"
@@ -142,6 +150,7 @@ class SqlReads:
 
     def statuses(self, tx: Tx, ids: Sequence[str]) -> dict[str, StatusRow]:
         found: dict[str, StatusRow] = {}
+        ids = storable(ids)
         for chunk in _chunks(ids):
             marks = ", ".join("?" * len(chunk))
             for row in self.q(
