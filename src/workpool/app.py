@@ -208,7 +208,7 @@ class App:
         shutdown_grace: float,
     ) -> Worker:
         if pools is not None:
-            if isinstance(pools, str) or not isinstance(pools, Sequence):
+            if isinstance(pools, str | bytes) or not isinstance(pools, Sequence):
                 raise InvalidTypeError(f"pools must be a list of pool names, got {show(pools)}")
             pools = [check_name(p, "pool name") for p in pools]
         if concurrency is None:
