@@ -158,7 +158,9 @@ class SqliteStore(SqlStore):
     def tidy(self) -> None:
         # Deleted rows leave no dead index entries in SQLite; keep the planner's
         # statistics fresh instead (cheap: it analyses only what changed a lot).
-        self._connection().execute("PRAGMA optimize")
+        # Inside a write transaction: an ANALYZE that started as a read could not
+        # upgrade to a write once another connection committed (SQLITE_BUSY_SNAPSHOT).
+        self.run(lambda tx: tx.execute("PRAGMA optimize"))
 
     def adopt(self, connection: Any) -> Tx | None:
         if isinstance(connection, sqlite3.Connection):
