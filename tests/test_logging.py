@@ -34,9 +34,7 @@ def events_of(caplog, event: str | None = None, pool: str | None = None) -> list
 
 
 def test_custom_levels_exist():
-    import workpool  # noqa: F401  (registers the level names)
-
-    from workpool.observability import events
+    from workpool.observability import events  # registers the level names
 
     assert (events.TRACE, events.REPORT) == (15, 25)
     assert logging.getLevelName("REPORT") == 25
