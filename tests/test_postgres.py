@@ -120,8 +120,9 @@ def test_workers_survive_their_connections_being_killed(pg_app: Any, pg_url: str
     schema = pg_schema_of(pg_url)
     with pg_app.transaction() as tx:
         tx.execute(f'CREATE TABLE "{schema}".completions (work_id text, kind text)')
-    ids = pool.enqueue_action_batch(work, [{"n": i} for i in range(400)], on_complete=count,
-                                    retry=True)
+    ids = pool.enqueue_action_batch(
+        work, [{"n": i} for i in range(400)], on_complete=count, retry=True
+    )
     with background_worker(pg_app, concurrency=8, lease=3.0):
         for mark in (50, 150, 250):
             wait_for(lambda mark=mark: len(done) > mark, timeout=20)
@@ -131,8 +132,7 @@ def test_workers_survive_their_connections_being_killed(pg_app: Any, pg_url: str
                     " WHERE application_name = 'workpool' AND pid <> pg_backend_pid()"
                 )
             time.sleep(0.2)
-        wait_for(lambda: all(s.state == "finished" for s in pool.status_batch(ids)),
-                 timeout=60)
+        wait_for(lambda: all(s.state == "finished" for s in pool.status_batch(ids)), timeout=60)
     statuses = pool.status_batch(ids)
     assert all(isinstance(s.result, workpool.Success) for s in statuses), statuses[:3]
     with pg_app.transaction() as tx:
