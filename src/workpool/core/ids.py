@@ -23,7 +23,3 @@ def new_work_ids(count: int) -> list[str]:
         value |= rand & ((1 << 62) - 1)
         ids.append(str(uuid.UUID(int=value)))
     return ids
-
-
-def new_work_id() -> str:
-    return new_work_ids(1)[0]
