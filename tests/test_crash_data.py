@@ -190,3 +190,29 @@ def test_stale_completion_of_an_old_attempt_changes_nothing(app, store_url, rec,
     assert [c["result"] for c in rec.calls if c["kind"] == "done"] == [
         workpool.Success("fresh result")
     ]
+
+
+def test_a_live_workers_claim_it_never_heard_of_is_adopted_and_runs_once(app):
+    """A claim that committed while its reply was lost leaves a row running under a live
+    worker that does not know it: no lease will ever expire. The worker finds its own
+    orphan and puts it back, without counting a failed attempt, and it runs once."""
+    runs: list[int] = []
+
+    @app.action(name="once")
+    def once() -> str:
+        runs.append(workpool.current().attempt)
+        return "ran"
+
+    pool = app.pool("orphans")
+    with background_worker(app, lease=30.0):
+        worker = wait_for(lambda: next(iter(app._workers), None), timeout=10)
+        wid = pool.enqueue_action(once, run_after=3600)  # not claimable by the worker
+        past = time.time() - 60
+        store = app.store
+        with app.transaction() as tx:  # the lost claim: due long ago, claimed by that worker
+            tx.execute(store._sql("UPDATE {s}work SET due_at = ? WHERE id = ?"), (past, wid))
+            claimed = store.claim(tx, "orphans", 1, 10, worker.info.id, past)
+        assert [c.id for c in claimed] == [wid]
+        wait_for(lambda: pool.status(wid).state == "finished", timeout=20)
+    assert pool.status(wid) == workpool.Finished(workpool.Success("ran"))
+    assert len(runs) == 1, runs
