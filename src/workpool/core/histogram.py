@@ -24,9 +24,14 @@ LAG_BOUNDS: tuple[float, ...] = (
 EMPTY: tuple[int, ...] = (0,) * len(LAG_BOUNDS)
 
 
+def bucket(seconds: float) -> int:
+    """The index of the bucket that holds ``seconds``."""
+    return bisect.bisect_left(LAG_BOUNDS, seconds)
+
+
 def one(seconds: float) -> tuple[int, ...]:
     """A histogram holding one observation."""
-    index = bisect.bisect_left(LAG_BOUNDS, seconds)
+    index = bucket(seconds)
     return tuple(1 if i == index else 0 for i in range(len(LAG_BOUNDS)))
 
 

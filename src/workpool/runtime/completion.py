@@ -12,16 +12,33 @@ from __future__ import annotations
 import json
 import random
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from workpool.core import histogram
 from workpool.core.decide import HANDLER_RETRY, AttemptOutcome, Finish, Raised, RetryAt, decide
 from workpool.core.errors import describe_error
-from workpool.core.results import Canceled, Failed, Result, result_from_json, result_to_json
+from workpool.core.results import (
+    Canceled,
+    Failed,
+    Result,
+    Success,
+    result_from_json,
+    result_to_json,
+)
 from workpool.observability import events
 from workpool.runtime.registry import Registry
-from workpool.store.base import ActiveWork, Counters, Finishing, Handing, Retrying, Store, Tx
+from workpool.store.base import (
+    ActiveWork,
+    ClaimedWork,
+    Counters,
+    Finishing,
+    Handing,
+    Retrying,
+    Store,
+    Tx,
+)
 
 # A mutation or query whose worker vanished never committed and runs again; after
 # this many lost runs in a row it is failed, so one poisoned item cannot loop forever.
@@ -47,8 +64,9 @@ class Changes:
     finished: list[Finishing] = field(default_factory=list)
     retried: list[Retrying] = field(default_factory=list)
     handed: list[Handing] = field(default_factory=list)
-    counters: dict[str, Counters] = field(default_factory=dict)
+    tallies: dict[str, Tally] = field(default_factory=dict)
     touched: set[str] = field(default_factory=set)
+    woken: set[str] = field(default_factory=set)  # pools of rows finished directly
     # Optimistic: handlers run without a savepoint each (two round trips saved per
     # item on PostgreSQL); the first one that raises aborts the whole transaction
     # with HandlerRaised and the caller redoes the batch with savepoints.
@@ -64,8 +82,11 @@ class Changes:
         self.touched.add(work.id)
         return True
 
-    def count(self, pool: str, counters: Counters) -> None:
-        self.counters[pool] = self.counters.get(pool, Counters()) + counters
+    def tally(self, pool: str) -> Tally:
+        tally = self.tallies.get(pool)
+        if tally is None:
+            tally = self.tallies[pool] = Tally()
+        return tally
 
     def flush(self, store: Store, tx: Tx, worker_id: str, now: float) -> None:
         store.finish_many(tx, self.finished, now)
@@ -74,24 +95,51 @@ class Changes:
         # Freed slots, retries and handler work concern the other workers too: wake
         # them at commit (PostgreSQL NOTIFY; SQLite workers see any commit anyway).
         woken = {f.work.pool for f in self.finished} | {r.work.pool for r in self.retried}
-        woken |= {h.work.pool for h in self.handed}
+        woken |= {h.work.pool for h in self.handed} | self.woken
         if woken:
             store.notify(tx, sorted(woken))
         bucket = int(now // 60)
-        for pool, counters in self.counters.items():
-            store.add_counters(tx, pool, worker_id, bucket, counters)
+        for pool, tally in self.tallies.items():
+            store.add_counters(tx, pool, worker_id, bucket, tally.counters())
         self.finished, self.retried, self.handed = [], [], []
-        self.counters, self.touched = {}, set()
+        self.tallies, self.touched, self.woken = {}, set(), set()
 
 
-def _counted(result: Result) -> Counters:
-    match result.kind:
-        case "success":
-            return Counters(completed=1, succeeded=1)
-        case "failed":
-            return Counters(completed=1, failed=1)
-        case _:
-            return Counters(completed=1, canceled=1)
+class Tally:
+    """One pool's counters in one transaction, summed in place: this runs per attempt."""
+
+    __slots__ = ("ended", "hist", "lag_count", "lag_max", "lag_sum")
+
+    def __init__(self) -> None:
+        self.ended = {"success": 0, "failed": 0, "canceled": 0, "retry": 0}
+        self.lag_count = 0
+        self.lag_sum = 0.0
+        self.lag_max = 0.0
+        self.hist = [0] * len(histogram.LAG_BOUNDS)
+
+    def end(self, kind: str) -> None:
+        """An attempt ended: ``success``, ``failed``, ``canceled`` or ``retry``."""
+        self.ended[kind] += 1
+
+    def lag(self, seconds: float) -> None:
+        self.lag_count += 1
+        self.lag_sum += seconds
+        self.lag_max = max(self.lag_max, seconds)
+        self.hist[histogram.bucket(seconds)] += 1
+
+    def counters(self) -> Counters:
+        ended = self.ended
+        return Counters(
+            completed=sum(ended.values()),
+            succeeded=ended["success"],
+            failed=ended["failed"],
+            retries=ended["retry"],
+            canceled=ended["canceled"],
+            lag_count=self.lag_count,
+            lag_sum=self.lag_sum,
+            lag_max=self.lag_max,
+            lag_hist=tuple(self.hist),
+        )
 
 
 class Completion:
@@ -128,21 +176,18 @@ class Completion:
             rand=self.rand(),
         )
         level = self.pool_level(work.pool)
+        tally = changes.tally(work.pool)
         if work.started_at is not None:
-            lag = max(work.started_at - work.due_at, 0.0)
-            changes.count(
-                work.pool,
-                Counters(lag_count=1, lag_sum=lag, lag_max=lag, lag_hist=histogram.one(lag)),
-            )
+            tally.lag(max(work.started_at - work.due_at, 0.0))
         match decision:
             case RetryAt(due_at, error):
                 changes.retried.append(Retrying(work, due_at, error))
-                changes.count(work.pool, Counters(completed=1, retries=1))
+                tally.end("retry")
                 status = "retrying"
                 error_text: str | None = error
             case Finish(result):
                 self._finish(tx, work, result, now, changes)
-                changes.count(work.pool, _counted(result))
+                tally.end(result.kind)
                 status = result.kind
                 error_text = result.error if isinstance(result, Failed) else None
         events.completed(
@@ -156,6 +201,39 @@ class Completion:
             error=error_text,
         )
         return True
+
+    def finish_succeeded(
+        self,
+        tx: Tx,
+        batch: Sequence[tuple[ClaimedWork, Any, float]],
+        now: float,
+        changes: Changes,
+    ) -> None:
+        """Actions without on_complete that returned a value, with their durations.
+
+        Whatever the row holds (retry policy, cancel flag), success finishes the
+        work, so it is finished by a compare-and-set on (state, attempt) without
+        reading the rows first.
+        """
+        # Sorted: rows are locked in one global order, as everywhere else.
+        items = sorted((w.id, w.attempt, result_to_json(Success(v))) for w, v, _ in batch)
+        done = set(self.store.finish_succeeded(tx, items, now))
+        for work, _, duration in batch:
+            if work.id not in done:
+                continue  # stale: rescued, or canceled and finished elsewhere
+            tally = changes.tally(work.pool)
+            tally.lag(max(work.started_at - work.due_at, 0.0))
+            tally.end("success")
+            changes.woken.add(work.pool)
+            events.completed(
+                self.pool_level(work.pool),
+                pool=work.pool,
+                work_id=work.id,
+                fn_name=work.fn_name,
+                status="success",
+                attempts=work.attempt,
+                duration=duration,
+            )
 
     def _finish(
         self, tx: Tx, work: ActiveWork, result: Result, now: float, changes: Changes
@@ -239,7 +317,7 @@ class Completion:
         """Cancel: pending work never starts; running work is not retried."""
         match work.state:
             case "pending" if changes.claim(work):
-                changes.count(work.pool, _counted(Canceled()))
+                changes.tally(work.pool).end("canceled")
                 events.completed(
                     self.pool_level(work.pool),
                     pool=work.pool,
@@ -284,7 +362,7 @@ class Completion:
         if work.cancel_requested:  # the lost run never committed: nothing ran
             if not changes.claim(work):
                 return False
-            changes.count(work.pool, _counted(Canceled()))
+            changes.tally(work.pool).end("canceled")
             self._finish(tx, work, Canceled(), now, changes)
             return True
         if work.lost_count + 1 < MAX_LOST_RUNS:

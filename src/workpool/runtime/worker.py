@@ -466,8 +466,17 @@ class Worker:
     ) -> None:
         now = self.clock()
         changes = Changes(optimistic=optimistic, known_failures=dict(known or {}))
-        rows = self.store.load_many_for_update(tx, [work.id for work, _, _ in batch])
+        simple: list[tuple[ClaimedWork, Any, float]] = []
+        rest: list[tuple[ClaimedWork, AttemptOutcome, float]] = []
         for work, outcome, duration in batch:
+            if type(outcome) is Succeeded and work.kind == "action" and not work.has_on_complete:
+                simple.append((work, outcome.value, duration))
+            else:
+                rest.append((work, outcome, duration))
+        if simple:
+            self.completion.finish_succeeded(tx, simple, now, changes)
+        rows = self.store.load_many_for_update(tx, [work.id for work, _, _ in rest])
+        for work, outcome, duration in rest:
             current = rows.get(work.id)
             if current is None or current.state != "running" or current.attempt != work.attempt:
                 continue  # stale completion: fenced by attempt number

@@ -75,6 +75,7 @@ class ClaimedWork:
     timeout: float | None
     due_at: float  # when the attempt became due: start lag = started_at - due_at
     started_at: float
+    has_on_complete: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,6 +281,13 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def finish_many(self, tx: Tx, items: Sequence[Finishing], now: float) -> None:
         """running|completing|pending -> finished: delete the work row, insert the result."""
+
+    @abc.abstractmethod
+    def finish_succeeded(
+        self, tx: Tx, items: Sequence[tuple[str, int, str]], now: float
+    ) -> list[str]:
+        """running -> finished for (id, attempt, result JSON) without reading the rows
+        first; the ids that were still running that attempt (the others are stale)."""
 
     @abc.abstractmethod
     def retry_many(self, tx: Tx, items: Sequence[Retrying]) -> None:

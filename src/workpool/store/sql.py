@@ -279,7 +279,8 @@ class SqlStore(SqlReads, Store):
             " started_at = ? WHERE id IN (SELECT id FROM {s}work WHERE pool = ?"
             " AND state = 'pending' AND due_at <= ? ORDER BY due_at, id LIMIT ?"
             + self.skip_locked
-            + ") RETURNING id, kind, fn_name, args, attempt, timeout, due_at",
+            + ") RETURNING id, kind, fn_name, args, attempt, timeout, due_at,"
+            " on_complete IS NOT NULL",
             (worker_id, now, pool, now, free),
         ).fetchall()
         return [
@@ -293,6 +294,7 @@ class SqlStore(SqlReads, Store):
                 timeout=None if r[5] is None else float(r[5]),
                 due_at=float(r[6]),
                 started_at=now,
+                has_on_complete=bool(r[7]),
             )
             for r in rows
         ]
@@ -349,6 +351,30 @@ class SqlStore(SqlReads, Store):
             self._sql("DELETE FROM {s}work WHERE id = ? AND state = ? AND attempt = ?"),
             [(f.work.id, f.work.state, f.work.attempt) for f in items],
         )
+
+    def finish_succeeded(
+        self, tx: Tx, items: Sequence[tuple[str, int, str]], now: float
+    ) -> list[str]:
+        delete = self._sql(
+            "DELETE FROM {s}work WHERE id = ? AND state = 'running' AND attempt = ?"
+            " RETURNING id, pool, fn_name, kind, args, on_complete, attempt, enqueued_at,"
+            " last_error"
+        )
+        rows = []
+        for work_id, attempt, result in items:
+            row = tx.connection.execute(delete, (work_id, attempt)).fetchone()
+            if row is not None:
+                rows.append((*row[:6], "success", result, *row[6:], now))
+        self._executemany(
+            tx,
+            self._sql(
+                "INSERT INTO {s}finished (id, pool, fn_name, kind, args, on_complete, outcome,"
+                " result, attempts, enqueued_at, last_error, finished_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            ),
+            rows,
+        )
+        return [row[0] for row in rows]
 
     def retry_many(self, tx: Tx, items: Sequence[Retrying]) -> None:
         if not items:

@@ -15,7 +15,7 @@ import psycopg_pool
 from psycopg import errors as pg_errors
 
 from workpool.core.errors import InvalidArgumentError, StoreUnavailableError
-from workpool.store.base import Tx, Watcher
+from workpool.store.base import Finishing, Handing, Retrying, Tx, Watcher
 from workpool.store.postgres.migrations import MIGRATIONS
 from workpool.store.sql import SqlStore
 
@@ -199,6 +199,95 @@ class PostgresStore(SqlStore):
             " AS t(id, pool, kind, fn_name, args, on_complete, context, retry, timeout,"
             " due_at, enqueued_at) ON CONFLICT (id) DO NOTHING",
             [list(column) for column in columns],
+        )
+
+    # Completions are set-based: one statement per batch over arrays, not one per row.
+    # Per-row statements cost the server an executor start-up each; at a batch of
+    # 128 that was most of its time per job.
+    def finish_many(self, tx: Tx, items: Sequence[Finishing], now: float) -> None:
+        if not items:
+            return
+        s = self.table_prefix
+        tx.execute(
+            "WITH f AS (SELECT * FROM unnest(%s::text[], %s::text[], %s::int[], %s::text[],"
+            " %s::text[], %s::text[]) AS f(id, state, attempt, outcome, result, handler_error)),"
+            f" gone AS (DELETE FROM {s}work w USING f WHERE w.id = f.id AND w.state = f.state"
+            " AND w.attempt = f.attempt RETURNING w.id, w.pool, w.fn_name, w.kind, w.args,"
+            " w.on_complete, f.outcome, f.result, w.attempt, w.enqueued_at, w.last_error,"
+            " f.handler_error)"
+            f" INSERT INTO {s}finished (id, pool, fn_name, kind, args, on_complete, outcome,"
+            " result, attempts, enqueued_at, finished_at, last_error, handler_error)"
+            " SELECT id, pool, fn_name, kind, args, on_complete, outcome, result, attempt,"
+            " enqueued_at, %s, last_error, handler_error FROM gone",
+            [
+                [f.work.id for f in items],
+                [f.work.state for f in items],
+                [f.work.attempt for f in items],
+                [f.outcome for f in items],
+                [f.result for f in items],
+                [f.handler_error for f in items],
+                now,
+            ],
+        )
+
+    def finish_succeeded(
+        self, tx: Tx, items: Sequence[tuple[str, int, str]], now: float
+    ) -> list[str]:
+        if not items:
+            return []
+        s = self.table_prefix
+        rows = tx.execute(
+            "WITH f AS (SELECT * FROM unnest(%s::text[], %s::int[], %s::text[])"
+            " AS f(id, attempt, result)),"
+            f" gone AS (DELETE FROM {s}work w USING f WHERE w.id = f.id"
+            " AND w.state = 'running' AND w.attempt = f.attempt RETURNING w.id, w.pool,"
+            " w.fn_name, w.kind, w.args, w.on_complete, f.result, w.attempt, w.enqueued_at,"
+            " w.last_error)"
+            f" INSERT INTO {s}finished (id, pool, fn_name, kind, args, on_complete, outcome,"
+            " result, attempts, enqueued_at, finished_at, last_error)"
+            " SELECT id, pool, fn_name, kind, args, on_complete, 'success', result, attempt,"
+            " enqueued_at, %s, last_error FROM gone RETURNING id",
+            [[i[0] for i in items], [i[1] for i in items], [i[2] for i in items], now],
+        ).fetchall()
+        return [r[0] for r in rows]
+
+    def retry_many(self, tx: Tx, items: Sequence[Retrying]) -> None:
+        if not items:
+            return
+        tx.execute(
+            f"UPDATE {self.table_prefix}work w SET state = 'pending', due_at = r.due_at,"
+            " last_error = r.error, worker_id = NULL, lost_count = w.lost_count + r.lost"
+            " FROM unnest(%s::text[], %s::int[], %s::float8[], %s::text[], %s::int[])"
+            " AS r(id, attempt, due_at, error, lost)"
+            " WHERE w.id = r.id AND w.state = 'running' AND w.attempt = r.attempt",
+            [
+                [r.work.id for r in items],
+                [r.work.attempt for r in items],
+                [r.due_at for r in items],
+                [r.error for r in items],
+                [int(r.lost) for r in items],
+            ],
+        )
+
+    def hand_many(self, tx: Tx, items: Sequence[Handing]) -> None:
+        if not items:
+            return
+        tx.execute(
+            f"UPDATE {self.table_prefix}work w SET state = 'completing', result = h.result,"
+            " due_at = h.due_at, handler_failures = h.failures, last_error = h.error,"
+            " worker_id = NULL FROM unnest(%s::text[], %s::text[], %s::int[], %s::text[],"
+            " %s::float8[], %s::int[], %s::text[])"
+            " AS h(id, state, attempt, result, due_at, failures, error)"
+            " WHERE w.id = h.id AND w.state = h.state AND w.attempt = h.attempt",
+            [
+                [h.work.id for h in items],
+                [h.work.state for h in items],
+                [h.work.attempt for h in items],
+                [h.result for h in items],
+                [h.due_at for h in items],
+                [h.failures for h in items],
+                [h.error for h in items],
+            ],
         )
 
     def _executemany(self, tx: Tx, sql: str, rows: list[tuple[Any, ...]]) -> None:
