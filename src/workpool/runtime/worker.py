@@ -86,6 +86,8 @@ class Worker:
             queue.Queue()
         )
         self._unrecorded: set[tuple[str, int]] = set()  # outcomes queued or being written
+        self._reserved = 0  # local slots held by a claim in progress (dispatcher, completer)
+        self._dry = False  # the dispatcher's last claim found nothing
         self.executor: Executor | None = None
         self.maintenance = Maintenance(self)
 
@@ -160,58 +162,85 @@ class Worker:
 
     def _dispatch_once(self) -> float | None:
         """Claim and start what fits; how long to wait for a wake-up (None: idle, leave)."""
-        free = self._free()
+        with self._lock:
+            recording = bool(self._unrecorded)
+        if recording:
+            # The completer claims for the freed slots in the transaction that records
+            # these outcomes, then wakes us: a claim of our own now would only compete.
+            return IDLE_POLL_S
+        free = self._reserve()
         if free <= 0:
+            self._unreserve(free)
             return IDLE_POLL_S  # a finishing attempt wakes us
-        claimed = self._claim(free)
-        coros = [c for c in (self._start(work) for work in claimed) if c is not None]
-        if coros:
-            assert self.executor is not None
-            self.executor.submit_async(coros)
+        try:
+            claimed = []
+            # After a claim that found nothing, look before taking the claim lock: a
+            # worker whose pools are full (or empty) must not make the busy ones wait.
+            if not self._dry or self.store.run(self._claimable, readonly=True):
+                claimed = self.store.run(partial(self._claim_in, free=free))
+                self._start_all(claimed)
+        finally:
+            self._unreserve(free)
+        self._dry = not claimed
         if claimed:
             return 0.0
         if self.options.until_idle and self._idle():
             return None
         return self._sleep_time()
 
-    def _free(self) -> int:
+    def _claimable(self, tx: Tx) -> bool:
+        return self.store.claimable(tx, self.options.pools, self.clock())
+
+    def _reserve(self) -> int:
+        """Hold every free local slot for one claim; how many."""
         with self._lock:
-            return self.options.concurrency - len(self._inflight)
+            free = self.options.concurrency - len(self._inflight) - self._reserved
+            free = max(free, 0)
+            self._reserved += free
+            return free
 
-    def _claim(self, free: int) -> list[ClaimedWork]:
-        def body(tx: Tx) -> list[ClaimedWork]:
-            self.configs = {c.name: c for c in self.store.load_pools(tx)}
-            # Pool claim locks are taken in one global (sorted) order, so two workers
-            # serving the same pools can never deadlock on them.
-            served = sorted(
-                p for p in self.served() if self.configs.get(p, _PAUSED).max_parallelism
+    def _unreserve(self, count: int) -> None:
+        with self._lock:
+            self._reserved -= count
+
+    def _start_all(self, claimed: list[ClaimedWork]) -> None:
+        coros = [c for c in (self._start(work) for work in claimed) if c is not None]
+        if coros:
+            assert self.executor is not None
+            self.executor.submit_async(coros)
+
+    def _claim_in(self, tx: Tx, *, free: int) -> list[ClaimedWork]:
+        """Claim up to ``free`` attempts in ``tx``; they may start once it commits."""
+        if free <= 0:
+            return []
+        self.configs = {c.name: c for c in self.store.load_pools(tx)}
+        # Pool claim locks are taken in one global (sorted) order, so two workers
+        # serving the same pools can never deadlock on them.
+        served = sorted(p for p in self.served() if self.configs.get(p, _PAUSED).max_parallelism)
+        if not served:
+            return []
+        now = self.clock()
+        claimed: list[ClaimedWork] = []
+        share = max(1, free // len(served))
+        hungry = []
+        for name in served:  # a fair share each first ...
+            room = min(free - len(claimed), share, CLAIM_BATCH)
+            if room <= 0:
+                break
+            got = self.store.claim(
+                tx, name, room, self.configs[name].max_parallelism, self.info.id, now
             )
-            if not served:
-                return []
-            now = self.clock()
-            claimed: list[ClaimedWork] = []
-            share = max(1, free // len(served))
-            hungry = []
-            for name in served:  # a fair share each first ...
-                room = min(free - len(claimed), share, CLAIM_BATCH)
-                if room <= 0:
-                    break
-                got = self.store.claim(
-                    tx, name, room, self.configs[name].max_parallelism, self.info.id, now
-                )
-                claimed += got
-                if len(got) == room:
-                    hungry.append(name)
-            for name in hungry:  # ... then what is left to those with more due (locks held)
-                room = min(free - len(claimed), CLAIM_BATCH)
-                if room <= 0:
-                    break
-                claimed += self.store.claim(
-                    tx, name, room, self.configs[name].max_parallelism, self.info.id, now
-                )
-            return claimed
-
-        return self.store.run(body)
+            claimed += got
+            if len(got) == room:
+                hungry.append(name)
+        for name in hungry:  # ... then what is left to those with more due (locks held)
+            room = min(free - len(claimed), CLAIM_BATCH)
+            if room <= 0:
+                break
+            claimed += self.store.claim(
+                tx, name, room, self.configs[name].max_parallelism, self.info.id, now
+            )
+        return claimed
 
     def _sleep_time(self) -> float:
         served = [p for p in self.served() if p in self.configs]
@@ -412,22 +441,38 @@ class Worker:
                     self._outcomes.put(None)
                     break
                 batch.append(item)
-            self._record(batch)
+            # The slots these outcomes freed are refilled in the same transaction: one
+            # commit instead of two, and no wake-up between a finish and the next start.
+            free = 0 if self.stopping.is_set() else self._reserve()
+            try:
+                self._record(batch, free)
+            finally:
+                self._unreserve(free)
             with self._lock:
                 self._unrecorded.difference_update((w.id, w.attempt) for w, _, _ in batch)
             self.wake.set()
 
-    def _record(self, batch: list[tuple[ClaimedWork, AttemptOutcome, float]]) -> None:
-        """Record a batch of outcomes in one transaction; on a non-transient error,
-        one transaction per item, so a single bad item cannot block the others."""
+    def _record(
+        self, batch: list[tuple[ClaimedWork, AttemptOutcome, float]], free: int = 0
+    ) -> None:
+        """Record a batch of outcomes in one transaction, claiming up to ``free`` new
+        attempts in it; on a non-transient error, one transaction per item (and no
+        claim), so a single bad item cannot block the others."""
         delay = 0.05
         optimistic = True
         known: dict[str, tuple[str, str]] = {}
         while True:
             try:
-                self.store.run(
-                    partial(self._record_in, batch=batch, optimistic=optimistic, known=known)
+                claimed = self.store.run(
+                    partial(
+                        self._record_in,
+                        batch=batch,
+                        optimistic=optimistic,
+                        known=known,
+                        free=free,
+                    )
                 )
+                self._start_all(claimed)
                 return
             except HandlerRaised as raised:
                 # That transaction rolled back whole: redo it with a savepoint per
@@ -463,7 +508,8 @@ class Worker:
         batch: list[tuple[ClaimedWork, AttemptOutcome, float]],
         optimistic: bool = False,
         known: dict[str, tuple[str, str]] | None = None,
-    ) -> None:
+        free: int = 0,
+    ) -> list[ClaimedWork]:
         now = self.clock()
         changes = Changes(optimistic=optimistic, known_failures=dict(known or {}))
         simple: list[tuple[ClaimedWork, Any, float]] = []
@@ -481,7 +527,10 @@ class Worker:
             if current is None or current.state != "running" or current.attempt != work.attempt:
                 continue  # stale completion: fenced by attempt number
             self.completion.complete(tx, current, outcome, now, changes, duration)
-        changes.flush(self.store, tx, self.info.id, now)
+        with self.store.pipeline(tx):
+            changes.flush(self.store, tx, self.info.id, now)
+            # After the finishes: the running count this claim reads has our freed slots.
+            return self._claim_in(tx, free=free)
 
     # --- lifecycle --------------------------------------------------------------------------
     def _install_signals(self) -> Callable[[], None]:

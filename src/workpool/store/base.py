@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -238,6 +238,14 @@ class Store(abc.ABC):
         ``keep=False`` rolls its writes back on a normal exit too (queries).
         """
 
+    def pipeline(self, tx: Tx) -> AbstractContextManager[Any]:
+        """Send workpool's own statements without waiting for each answer.
+
+        Inside, a round trip happens only when a result is read, and errors may
+        surface there rather than at their statement: never wrap user code in it.
+        """
+        return nullcontext()
+
     @abc.abstractmethod
     def adopt(self, connection: Any) -> Tx | None:
         """A Tx over a user's own driver connection, or None if it is not one of ours."""
@@ -277,6 +285,11 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def load_for_update(self, tx: Tx, work_id: str) -> ActiveWork | None:
         """The active row, locked against concurrent completers until ``tx`` ends."""
+
+    @abc.abstractmethod
+    def claimable(self, tx: Tx, pools: Sequence[str] | None, now: float) -> bool:
+        """Whether a claim in one of ``pools`` (None: all) would get work now: a cheap
+        read that lets a worker skip the claim lock while its pools are full."""
 
     @abc.abstractmethod
     def finish_many(self, tx: Tx, items: Sequence[Finishing], now: float) -> None:

@@ -263,26 +263,20 @@ class SqlStore(SqlReads, Store):
         ).fetchone()
         return int(row[0])
 
+    # The claim: the next due pending rows of one pool, up to a limit, become running.
+    _CLAIM = (
+        "UPDATE {s}work SET state = 'running', attempt = attempt + 1, worker_id = ?,"
+        " started_at = ? WHERE %s"
+        " RETURNING id, kind, fn_name, args, attempt, timeout, due_at, on_complete IS NOT NULL"
+    )
+    _CLAIM_IDS = (
+        "SELECT id FROM {s}work WHERE pool = ? AND state = 'pending' AND due_at <= ?"
+        " ORDER BY due_at, id LIMIT %s%s"
+    )
+
     def claim(
         self, tx: Tx, pool: str, limit: int, max_parallelism: int, worker_id: str, now: float
     ) -> list[ClaimedWork]:
-        # Exact global limit: every claimer of this pool holds the pool lock from here
-        # to commit, and only claims add running rows, so the count below cannot be
-        # raised by anyone else before we commit (completions only lower it).
-        self._lock_pool(tx, pool)
-        free = min(limit, max_parallelism - self.running_count(tx, pool))
-        if free <= 0:
-            return []
-        rows = self.q(
-            tx,
-            "UPDATE {s}work SET state = 'running', attempt = attempt + 1, worker_id = ?,"
-            " started_at = ? WHERE id IN (SELECT id FROM {s}work WHERE pool = ?"
-            " AND state = 'pending' AND due_at <= ? ORDER BY due_at, id LIMIT ?"
-            + self.skip_locked
-            + ") RETURNING id, kind, fn_name, args, attempt, timeout, due_at,"
-            " on_complete IS NOT NULL",
-            (worker_id, now, pool, now, free),
-        ).fetchall()
         return [
             ClaimedWork(
                 id=r[0],
@@ -296,8 +290,38 @@ class SqlStore(SqlReads, Store):
                 started_at=now,
                 has_on_complete=bool(r[7]),
             )
-            for r in rows
+            for r in self._claim_rows(tx, pool, limit, max_parallelism, worker_id, now)
         ]
+
+    def _claim_rows(
+        self, tx: Tx, pool: str, limit: int, max_parallelism: int, worker_id: str, now: float
+    ) -> list[Any]:
+        # Exact global limit: every claimer of this pool holds the pool lock from here
+        # to commit, and only claims add running rows, so the count below cannot be
+        # raised by anyone else before we commit (completions only lower it).
+        self._lock_pool(tx, pool)
+        free = min(limit, max_parallelism - self.running_count(tx, pool))
+        if free <= 0:
+            return []
+        sql = self._CLAIM % f"id IN ({self._CLAIM_IDS % ('?', self.skip_locked)})"
+        return list(self.q(tx, sql, (worker_id, now, pool, now, free)).fetchall())
+
+    def claimable(self, tx: Tx, pools: Sequence[str] | None, now: float) -> bool:
+        names = [] if pools is None else storable(pools)
+        if pools is not None and not names:
+            return False
+        where = "" if pools is None else f" AND p.name IN ({', '.join('?' * len(names))})"
+        row = self.q(
+            tx,
+            "SELECT EXISTS (SELECT 1 FROM {s}pools p WHERE p.max_parallelism > 0"
+            + where
+            + " AND EXISTS (SELECT 1 FROM {s}work w WHERE w.pool = p.name"
+            " AND w.state = 'pending' AND w.due_at <= ?)"
+            " AND p.max_parallelism > (SELECT count(*) FROM {s}work r WHERE r.pool = p.name"
+            " AND r.state = 'running'))",
+            (*names, now),
+        ).fetchone()
+        return bool(row[0])
 
     def load_for_update(self, tx: Tx, work_id: str) -> ActiveWork | None:
         row = self.q(
