@@ -16,6 +16,7 @@ HANDLER_RETRY = RetryBehavior(max_attempts=5, initial_backoff=0.5, base=2.0)
 @dataclass(frozen=True, slots=True)
 class Succeeded:
     value: Any
+    encoded: str | None = None  # ``value`` as JSON, when the caller already made it
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,10 +14,17 @@ import random
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from workpool.core import histogram
-from workpool.core.decide import HANDLER_RETRY, AttemptOutcome, Finish, Raised, RetryAt, decide
+from workpool.core.decide import (
+    HANDLER_RETRY,
+    AttemptOutcome,
+    Finish,
+    Raised,
+    RetryAt,
+    Succeeded,
+    decide,
+)
 from workpool.core.errors import describe_error
 from workpool.core.results import (
     Canceled,
@@ -103,6 +110,13 @@ class Changes:
             store.add_counters(tx, pool, worker_id, bucket, tally.counters())
         self.finished, self.retried, self.handed = [], [], []
         self.tallies, self.touched, self.woken = {}, set(), set()
+
+
+def _success_json(outcome: Succeeded) -> str:
+    """The stored result of a success: ``result_to_json`` without encoding the value twice."""
+    if outcome.encoded is None:
+        return result_to_json(Success(outcome.value))
+    return '{"kind": "success", "return_value": ' + outcome.encoded + "}"
 
 
 class Tally:
@@ -205,7 +219,7 @@ class Completion:
     def finish_succeeded(
         self,
         tx: Tx,
-        batch: Sequence[tuple[ClaimedWork, Any, float]],
+        batch: Sequence[tuple[ClaimedWork, Succeeded, float]],
         now: float,
         changes: Changes,
     ) -> None:
@@ -216,7 +230,7 @@ class Completion:
         reading the rows first.
         """
         # Sorted: rows are locked in one global order, as everywhere else.
-        items = sorted((w.id, w.attempt, result_to_json(Success(v))) for w, v, _ in batch)
+        items = sorted((w.id, w.attempt, _success_json(o)) for w, o, _ in batch)
         done = set(self.store.finish_succeeded(tx, items, now))
         for work, _, duration in batch:
             if work.id not in done:
@@ -225,15 +239,17 @@ class Completion:
             tally.lag(max(work.started_at - work.due_at, 0.0))
             tally.end("success")
             changes.woken.add(work.pool)
-            events.completed(
-                self.pool_level(work.pool),
-                pool=work.pool,
-                work_id=work.id,
-                fn_name=work.fn_name,
-                status="success",
-                attempts=work.attempt,
-                duration=duration,
-            )
+            level = self.pool_level(work.pool)
+            if events.shown(events.INFO, level):  # skip building the event when filtered
+                events.completed(
+                    level,
+                    pool=work.pool,
+                    work_id=work.id,
+                    fn_name=work.fn_name,
+                    status="success",
+                    attempts=work.attempt,
+                    duration=duration,
+                )
 
     def _finish(
         self, tx: Tx, work: ActiveWork, result: Result, now: float, changes: Changes

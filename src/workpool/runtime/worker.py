@@ -82,8 +82,8 @@ class Worker:
         self.force = threading.Event()
         self._lock = threading.Lock()
         self._inflight: dict[tuple[str, int], _InFlight] = {}
-        self._outcomes: queue.Queue[tuple[ClaimedWork, AttemptOutcome, float] | None] = (
-            queue.Queue()
+        self._outcomes: queue.SimpleQueue[tuple[ClaimedWork, AttemptOutcome, float] | None] = (
+            queue.SimpleQueue()
         )
         self._unrecorded: set[tuple[str, int]] = set()  # outcomes queued or being written
         self._reserved = 0  # local slots held by a claim in progress (dispatcher, completer)
@@ -174,9 +174,10 @@ class Worker:
             return IDLE_POLL_S  # a finishing attempt wakes us
         try:
             claimed = []
-            # After a claim that found nothing, look before taking the claim lock: a
-            # worker whose pools are full (or empty) must not make the busy ones wait.
-            if not self._dry or self.store.run(self._claimable, readonly=True):
+            # After a claim that found nothing, look before taking the store's write
+            # lock: a worker whose pools are full must not make the busy ones wait.
+            look = self._dry and self.store.look_before_claim
+            if not look or self.store.run(self._claimable, readonly=True):
                 claimed = self.store.run(partial(self._claim_in, free=free))
                 self._start_all(claimed)
         finally:
@@ -333,8 +334,7 @@ class Worker:
             outcome = Raised(describe_error(exc), retryable=not is_non_retryable(exc))
         finally:
             reset_current(token)
-        self._report(work, outcome, time.monotonic() - started)
-        self._release(work)
+        self._ended(work, outcome, time.monotonic() - started)
 
     async def _run_async(self, spec: FnSpec, work: ClaimedWork, args: dict[str, Any]) -> None:
         token = set_current(self._info(work))
@@ -354,8 +354,7 @@ class Worker:
             outcome = Raised(describe_error(exc), retryable=not is_non_retryable(exc))
         finally:
             reset_current(token)
-        self._report(work, outcome, time.monotonic() - started)
-        self._release(work)
+        self._ended(work, outcome, time.monotonic() - started)
 
     def _run_in_tx(self, spec: FnSpec, work: ClaimedWork, args: dict[str, Any]) -> None:
         """A mutation or query: the call and its completion commit together or not at all."""
@@ -401,6 +400,23 @@ class Worker:
             entry.reported = True
             self._unrecorded.add((work.id, work.attempt))
         self._outcomes.put((work, outcome, duration))
+
+    def _ended(self, work: ClaimedWork, outcome: AttemptOutcome, duration: float) -> None:
+        """An action's attempt returned: ``_report`` and ``_release`` under one lock.
+
+        The dispatcher is not woken: the completer claims for this slot when it
+        records the outcome, and wakes it then.
+        """
+        key = (work.id, work.attempt)
+        with self._lock:
+            entry = self._inflight.pop(key, None)
+            fresh = entry is not None and not entry.reported
+            if fresh:
+                self._unrecorded.add(key)
+        if fresh:
+            self._outcomes.put((work, outcome, duration))
+        else:
+            self.wake.set()  # reported at its timeout, recorded since: the slot is free now
 
     def _release(self, work: ClaimedWork) -> None:
         with self._lock:
@@ -512,11 +528,11 @@ class Worker:
     ) -> list[ClaimedWork]:
         now = self.clock()
         changes = Changes(optimistic=optimistic, known_failures=dict(known or {}))
-        simple: list[tuple[ClaimedWork, Any, float]] = []
+        simple: list[tuple[ClaimedWork, Succeeded, float]] = []
         rest: list[tuple[ClaimedWork, AttemptOutcome, float]] = []
         for work, outcome, duration in batch:
             if type(outcome) is Succeeded and work.kind == "action" and not work.has_on_complete:
-                simple.append((work, outcome.value, duration))
+                simple.append((work, outcome, duration))
             else:
                 rest.append((work, outcome, duration))
         if simple:
@@ -575,12 +591,17 @@ class Worker:
         )
 
 
+_RETURNED_NONE = Succeeded(None, "null")
+
+
 def _returned(value: object) -> AttemptOutcome:
+    if value is None:
+        return _RETURNED_NONE
     try:
-        json.dumps(value, allow_nan=False)
+        encoded = json.dumps(value, allow_nan=False)
     except (TypeError, ValueError) as exc:
         return Raised(f"return value is not JSON-serialisable: {exc}", retryable=False)
-    return Succeeded(value)
+    return Succeeded(value, encoded)
 
 
 def _timed_out(seconds: float) -> Raised:

@@ -219,6 +219,10 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None: ...
 
+    # A claim takes a lock that every writer needs (SQLite's single write lock), so
+    # a worker whose last claim found nothing reads claimable() before the next.
+    look_before_claim: bool = False
+
     @abc.abstractmethod
     def transaction(self, *, readonly: bool = False) -> AbstractContextManager[Tx]:
         """One transaction; commits on normal exit, rolls back on an exception."""

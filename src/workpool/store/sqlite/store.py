@@ -23,6 +23,8 @@ CHANGE_POLL_S = 0.002  # data_version probe interval while idle: ~2 ms wake-up l
 
 
 class SqliteStore(SqlStore):
+    look_before_claim = True
+
     def __init__(self, path: str, *, synchronous: str = "NORMAL") -> None:
         super().__init__()
         if synchronous.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
