@@ -274,3 +274,33 @@ def test_large_max_parallelism_is_accepted(app):
     assert pool.stats().max_parallelism == 5000
     pool.configure(max_parallelism=100_000)
     assert pool.stats().max_parallelism == 100_000
+
+
+def test_claimable_is_false_only_when_a_claim_would_get_nothing(app):
+    """The look a worker takes before claiming (after an empty claim) must never hide
+    work a claim would get: full, paused, empty and not-yet-due pools say no."""
+
+    @app.action(name="nap")
+    def nap() -> None:
+        return None
+
+    store = app.store
+    now = time.time()
+
+    def claimable(pools):
+        return store.run(lambda tx: store.claimable(tx, pools, time.time()))
+
+    full = app.pool("full", max_parallelism=1)
+    full.enqueue_action_batch(nap, [{}, {}])
+    later = app.pool("later", max_parallelism=5)
+    later.enqueue_action(nap, run_after=3600)
+    assert claimable(["full"]) and claimable(None)
+    assert not claimable(["later"]), "work due in an hour is not claimable now"
+    assert not claimable(["nobody"]) and not claimable([])
+    got = store.run(lambda tx: store.claim(tx, "full", 10, 1, "w", now + 1))
+    assert len(got) == 1
+    assert not claimable(["full"]), "the pool is at its limit"
+    full.configure(max_parallelism=2)
+    assert claimable(["full"])
+    full.pause()
+    assert not claimable(["full", "later"]) and not claimable(None)
