@@ -110,7 +110,7 @@ class SqliteStore(SqlStore):
                     if not self.is_transient(exc) or time.monotonic() > give_up:
                         raise
                 time.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, 0.005)
+                delay = min(delay * 2, 0.001)
         finally:
             conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
 
