@@ -204,16 +204,17 @@ class Completion:
                 tally.end(result.kind)
                 status = result.kind
                 error_text = result.error if isinstance(result, Failed) else None
-        events.completed(
-            level,
-            pool=work.pool,
-            work_id=work.id,
-            fn_name=work.fn_name,
-            status=status,
-            attempts=work.attempt,
-            duration=duration,
-            error=error_text,
-        )
+        if events.shown(events.INFO, level):  # skip building the event when filtered
+            events.completed(
+                level,
+                pool=work.pool,
+                work_id=work.id,
+                fn_name=work.fn_name,
+                status=status,
+                attempts=work.attempt,
+                duration=duration,
+                error=error_text,
+            )
         return True
 
     def finish_succeeded(

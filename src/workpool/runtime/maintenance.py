@@ -48,6 +48,9 @@ class Maintenance:
             "orphans": 0.0,
             "handlers": 0.0,
             "duties": 0.0,
+            # Not at start: a worker starting on a big backlog would otherwise begin
+            # by vacuuming or analysing it while it should be claiming.
+            "tidy": worker.clock() + TIDY_EVERY_S,
         }
 
     def stop(self) -> None:
@@ -99,7 +102,9 @@ class Maintenance:
                 self.duties(pool, now)
             store = self.store
             # "" is no pool name: a duty of the whole store, one worker at a time.
-            if store.run(lambda tx: store.take_turn(tx, "", "tidy", now, TIDY_EVERY_S)):
+            if self._due("tidy", now, TIDY_EVERY_S) and store.run(
+                lambda tx: store.take_turn(tx, "", "tidy", now, TIDY_EVERY_S)
+            ):
                 store.tidy()
 
     def heartbeat(self, now: float) -> None:

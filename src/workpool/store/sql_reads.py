@@ -30,6 +30,22 @@ def _decoded(text: str) -> Any:
         return text
 
 
+_RETRY_CACHE: dict[str, RetryBehavior] = {}  # a pool's items share a few retry policies
+
+
+def _retry(text: str | None) -> RetryBehavior | None:
+    """The stored retry policy, parsed once per distinct text (it is immutable)."""
+    if text is None:
+        return None
+    behavior = _RETRY_CACHE.get(text)
+    if behavior is None:
+        behavior = RetryBehavior.from_json(json.loads(text))
+        if len(_RETRY_CACHE) >= 1024:
+            _RETRY_CACHE.clear()
+        _RETRY_CACHE[text] = behavior
+    return behavior
+
+
 def active_row(row: Sequence[Any]) -> ActiveWork:
     return ActiveWork(
         id=row[0],
@@ -38,7 +54,7 @@ def active_row(row: Sequence[Any]) -> ActiveWork:
         fn_name=row[3],
         state=row[4],
         attempt=int(row[5]),
-        retry=None if row[6] is None else RetryBehavior.from_json(json.loads(row[6])),
+        retry=_retry(row[6]),
         on_complete=row[7],
         context=row[8],
         cancel_requested=bool(row[9]),

@@ -159,10 +159,16 @@ class SqliteStore(SqlStore):
 
     def tidy(self) -> None:
         # Deleted rows leave no dead index entries in SQLite; keep the planner's
-        # statistics fresh instead (cheap: it analyses only what changed a lot).
+        # statistics fresh instead (cheap: it analyses only what changed a lot, and
+        # analysis_limit makes that a sample, so a million-row backlog is not read
+        # whole while the write lock is held).
         # Inside a write transaction: an ANALYZE that started as a read could not
         # upgrade to a write once another connection committed (SQLITE_BUSY_SNAPSHOT).
-        self.run(lambda tx: tx.execute("PRAGMA optimize"))
+        def optimize(tx: Tx) -> None:
+            tx.execute("PRAGMA analysis_limit = 1000")
+            tx.execute("PRAGMA optimize")
+
+        self.run(optimize)
 
     def adopt(self, connection: Any) -> Tx | None:
         if isinstance(connection, sqlite3.Connection):
