@@ -72,7 +72,7 @@ class Changes:
     handed: list[Handing] = field(default_factory=list)
     tallies: dict[str, Tally] = field(default_factory=dict)
     touched: set[str] = field(default_factory=set)
-    woken: set[str] = field(default_factory=set)  # pools of rows finished directly
+    direct: dict[str, int] = field(default_factory=dict)  # rows finished directly, per pool
     # Optimistic: handlers run without a savepoint each (two round trips saved per
     # item on PostgreSQL); the first one that raises aborts the whole transaction
     # with HandlerRaised and the caller redoes the batch with savepoints.
@@ -94,21 +94,35 @@ class Changes:
             tally = self.tallies[pool] = Tally()
         return tally
 
-    def flush(self, store: Store, tx: Tx, worker_id: str, now: float) -> None:
+    def freed(self) -> dict[str, int]:
+        """Rows per pool that leave ``running`` (or ``pending``) in this transaction."""
+        freed = dict(self.direct)
+        pools = [f.work.pool for f in self.finished] + [r.work.pool for r in self.retried]
+        for pool in pools + [h.work.pool for h in self.handed]:
+            freed[pool] = freed.get(pool, 0) + 1
+        return freed
+
+    def requeued(self) -> set[str]:
+        """Pools that get pending (retry) or handler work in this transaction."""
+        return {r.work.pool for r in self.retried} | {h.work.pool for h in self.handed}
+
+    def flush(self, store: Store, tx: Tx, worker_id: str, now: float, *, wake: bool = True) -> None:
+        """Write the gathered changes; ``wake=False``: the caller notifies (see the
+        completer, which first claims for the freed slots itself)."""
+        if wake:
+            # Freed slots, retries and handler work concern the other workers too:
+            # wake them at commit (PostgreSQL NOTIFY; SQLite workers see any commit).
+            woken = set(self.freed()) | self.requeued()
+            if woken:
+                store.notify(tx, sorted(woken))
         store.finish_many(tx, self.finished, now)
         store.retry_many(tx, self.retried)
         store.hand_many(tx, self.handed)
-        # Freed slots, retries and handler work concern the other workers too: wake
-        # them at commit (PostgreSQL NOTIFY; SQLite workers see any commit anyway).
-        woken = {f.work.pool for f in self.finished} | {r.work.pool for r in self.retried}
-        woken |= {h.work.pool for h in self.handed} | self.woken
-        if woken:
-            store.notify(tx, sorted(woken))
         bucket = int(now // 60)
         for pool, tally in self.tallies.items():
             store.add_counters(tx, pool, worker_id, bucket, tally.counters())
         self.finished, self.retried, self.handed = [], [], []
-        self.tallies, self.touched, self.woken = {}, set(), set()
+        self.tallies, self.touched, self.direct = {}, set(), {}
 
 
 def _success_json(outcome: Succeeded) -> str:
@@ -240,7 +254,7 @@ class Completion:
             tally = changes.tally(work.pool)
             tally.lag(max(work.started_at - work.due_at, 0.0))
             tally.end("success")
-            changes.woken.add(work.pool)
+            changes.direct[work.pool] = changes.direct.get(work.pool, 0) + 1
             level = self.pool_level(work.pool)
             if events.shown(events.INFO, level):  # skip building the event when filtered
                 events.completed(

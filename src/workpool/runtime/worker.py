@@ -19,6 +19,7 @@ import socket
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -248,9 +249,13 @@ class Worker:
         if not served:
             return IDLE_POLL_S
         next_due = self.store.run(lambda tx: self.store.next_due(tx, served), readonly=True)
-        if next_due is None:
+        now = self.clock()
+        if next_due is None or next_due <= now:
+            # Nothing due, or due work that the claim just left: its pool is at its
+            # limit or paused. What changes that (a slot freed and not refilled, a
+            # resume, a new limit) wakes us; polling would only hammer the claim lock.
             return IDLE_POLL_S
-        return min(max(next_due - self.clock(), 0.001), IDLE_POLL_S)
+        return min(max(next_due - now, 0.001), IDLE_POLL_S)
 
     def _idle(self) -> bool:
         with self._lock:
@@ -543,10 +548,19 @@ class Worker:
             if current is None or current.state != "running" or current.attempt != work.attempt:
                 continue  # stale completion: fenced by attempt number
             self.completion.complete(tx, current, outcome, now, changes, duration)
+        freed, requeued = changes.freed(), changes.requeued()
         with self.store.pipeline(tx):
-            changes.flush(self.store, tx, self.info.id, now)
+            changes.flush(self.store, tx, self.info.id, now, wake=False)
             # After the finishes: the running count this claim reads has our freed slots.
-            return self._claim_in(tx, free=free)
+            claimed = self._claim_in(tx, free=free)
+            # Other workers need waking only for slots this claim did not refill (and
+            # for retries): otherwise, under a limit, every finish would send them to
+            # the claim lock for nothing.
+            refilled = Counter(work.pool for work in claimed)
+            woken = requeued | {pool for pool, n in freed.items() if n > refilled[pool]}
+            if woken:
+                self.store.notify(tx, sorted(woken))
+        return claimed
 
     # --- lifecycle --------------------------------------------------------------------------
     def _install_signals(self) -> Callable[[], None]:
