@@ -304,3 +304,40 @@ def test_claimable_is_false_only_when_a_claim_would_get_nothing(app):
     assert claimable(["full"])
     full.pause()
     assert not claimable(["full", "later"]) and not claimable(None)
+
+
+@pytest.mark.parametrize("blocked_by", ["pause", "limit"])
+def test_due_work_that_cannot_start_does_not_keep_the_worker_busy(app, blocked_by):
+    """Due work held back by a pause or a full limit waits for a wake-up: the worker
+    must not poll the store (claim, then look for the next due time) every millisecond."""
+    gate = threading.Event()
+
+    @app.action(name="held")
+    def held() -> None:
+        gate.wait(30)
+
+    pool = app.pool("held", max_parallelism=1)
+    pool.enqueue_action_batch(held, [{} for _ in range(20)])
+    if blocked_by == "pause":
+        pool.pause()
+    transactions = []
+    real_run = app.store.run
+
+    def counting_run(fn, **kwargs):
+        transactions.append(threading.current_thread().name)
+        return real_run(fn, **kwargs)
+
+    app.store.run = counting_run
+    try:
+        with background_worker(app, concurrency=4):
+            if blocked_by == "limit":
+                wait_for(lambda: pool.stats().running == 1, 10, message="nothing started")
+            transactions.clear()
+            time.sleep(1.5)
+            seen = len(transactions)
+            gate.set()
+    finally:
+        gate.set()
+        app.store.run = real_run
+    # Maintenance reads about ten times a second; polling would be ~1,500 here.
+    assert seen < 150, f"{seen} store transactions in 1.5 s while nothing could start"
