@@ -171,7 +171,6 @@ class Worker:
             return IDLE_POLL_S
         free = self._reserve()
         if free <= 0:
-            self._unreserve(free)
             return IDLE_POLL_S  # a finishing attempt wakes us
         try:
             claimed = []
