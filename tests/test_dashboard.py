@@ -239,7 +239,9 @@ def test_metrics_counters_only_grow_and_count_each_minute_once(
     def add(bucket: int, **counts: Any) -> None:
         lag = counts.pop("lag", None)
         if lag is not None:
-            counts.update(lag_count=1, lag_sum=lag, lag_max=lag, lag_hist=histogram.one(lag))
+            hist = [0] * len(histogram.LAG_BOUNDS)
+            hist[histogram.bucket(lag)] = 1
+            counts.update(lag_count=1, lag_sum=lag, lag_max=lag, lag_hist=tuple(hist))
         shop.run(lambda tx: shop.store.add_counters(tx, "mail", "w1", bucket, Counters(**counts)))
 
     def totals() -> dict[str, int]:

@@ -29,12 +29,6 @@ def bucket(seconds: float) -> int:
     return bisect.bisect_left(LAG_BOUNDS, seconds)
 
 
-def one(seconds: float) -> tuple[int, ...]:
-    """A histogram holding one observation."""
-    index = bucket(seconds)
-    return tuple(1 if i == index else 0 for i in range(len(LAG_BOUNDS)))
-
-
 def add(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(x + y for x, y in zip(a, b, strict=True))
 
