@@ -59,6 +59,8 @@ def enqueued(
 def started(
     pool_level: str, *, pool: str, work_id: str, fn_name: str, attempt: int, start_lag: float
 ) -> None:
+    if not shown(logging.INFO, pool_level):  # per attempt: skip building what is filtered
+        return
     emit(
         "started",
         logging.INFO,
@@ -82,6 +84,8 @@ def completed(
     duration: float | None,
     error: str | None = None,
 ) -> None:
+    if not shown(logging.INFO, pool_level):  # per attempt: skip building what is filtered
+        return
     fields: dict[str, Any] = {
         "pool": pool,
         "work_id": work_id,

@@ -219,17 +219,16 @@ class Completion:
             tally.end(result.kind)
             status = result.kind
             error_text = result.error if isinstance(result, Failed) else None
-        if events.shown(events.INFO, level):  # skip building the event when filtered
-            events.completed(
-                level,
-                pool=work.pool,
-                work_id=work.id,
-                fn_name=work.fn_name,
-                status=status,
-                attempts=work.attempt,
-                duration=duration,
-                error=error_text,
-            )
+        events.completed(
+            level,
+            pool=work.pool,
+            work_id=work.id,
+            fn_name=work.fn_name,
+            status=status,
+            attempts=work.attempt,
+            duration=duration,
+            error=error_text,
+        )
         return True
 
     def finish_succeeded(
@@ -256,16 +255,15 @@ class Completion:
             tally.end("success")
             changes.direct[work.pool] = changes.direct.get(work.pool, 0) + 1
             level = self.pool_level(work.pool)
-            if events.shown(events.INFO, level):  # skip building the event when filtered
-                events.completed(
-                    level,
-                    pool=work.pool,
-                    work_id=work.id,
-                    fn_name=work.fn_name,
-                    status="success",
-                    attempts=work.attempt,
-                    duration=duration,
-                )
+            events.completed(
+                level,
+                pool=work.pool,
+                work_id=work.id,
+                fn_name=work.fn_name,
+                status="success",
+                attempts=work.attempt,
+                duration=duration,
+            )
 
     def _finish(
         self,

@@ -288,26 +288,18 @@ class Worker:
         with self._lock:
             self._inflight[(work.id, work.attempt)] = _InFlight(work, deadline)
         level = self.pool_level(work.pool)
-        if events.shown(events.INFO, level):  # skip building the event when it is filtered
-            events.started(
-                level,
-                pool=work.pool,
-                work_id=work.id,
-                fn_name=work.fn_name,
-                attempt=work.attempt,
-                start_lag=work.started_at - work.due_at,
-            )
+        events.started(
+            level,
+            pool=work.pool,
+            work_id=work.id,
+            fn_name=work.fn_name,
+            attempt=work.attempt,
+            start_lag=work.started_at - work.due_at,
+        )
         spec = self.registry.get(work.fn_name)
         if spec is None or spec.kind != work.kind:
-            self._report(
-                work,
-                Raised(
-                    f"{work.kind} {work.fn_name!r} is not registered in this worker's App",
-                    retryable=False,
-                ),
-                0.0,
-            )
-            self._release(work)
+            reason = f"{work.kind} {work.fn_name!r} is not registered in this worker's App"
+            self._ended(work, Raised(reason, retryable=False), 0.0)
             return None
         try:
             args = json.loads(work.args)
@@ -315,8 +307,7 @@ class Worker:
                 raise ValueError("args are not a JSON object")
         except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep JSON
             reason = f"stored args are corrupt: {describe_error(exc)}"
-            self._report(work, Raised(reason, retryable=False), 0.0)
-            self._release(work)
+            self._ended(work, Raised(reason, retryable=False), 0.0)
             return None
         if work.kind == "action" and spec.is_async:
             return self._run_async(spec, work, args)
@@ -406,7 +397,8 @@ class Worker:
         self._outcomes.put((work, outcome, duration))
 
     def _ended(self, work: ClaimedWork, outcome: AttemptOutcome, duration: float) -> None:
-        """An action's attempt returned: ``_report`` and ``_release`` under one lock.
+        """An attempt ended without a transaction of its own (an action returned, or
+        it could not start): ``_report`` and ``_release`` under one lock.
 
         The dispatcher is not woken: the completer claims for this slot when it
         records the outcome, and wakes it then.

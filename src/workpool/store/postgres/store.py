@@ -199,7 +199,7 @@ class PostgresStore(SqlStore):
         # ANY(ARRAY(...)): with IN (...) and a limit the planner cannot read, it would
         # hash-join the picked ids against a scan of the whole table.
         ids = self._CLAIM_IDS % (free, self.skip_locked)
-        with tx.connection.pipeline():
+        with self.pipeline(tx):
             self._lock_pool(tx, pool)
             sql = self._sql(self._CLAIM % f"id = ANY(ARRAY({ids}))")
             params = (worker_id, now, pool, now, limit, max_parallelism, pool)
