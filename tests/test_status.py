@@ -377,3 +377,60 @@ def test_pool_config_is_persisted_and_overwritten_by_given_options(app, store_ur
     finally:
         other.close()
     assert app.pool("cfg").stats().max_parallelism == 6
+
+
+def _indexes(app: workpool.App, store_url: str) -> set[str]:
+    with app.transaction() as tx:
+        if store_url.startswith("sqlite"):
+            rows = tx.execute("SELECT name FROM sqlite_master WHERE type = 'index'").fetchall()
+        else:
+            rows = tx.execute(
+                "SELECT indexname FROM pg_indexes WHERE schemaname = %s", (app.store.schema,)
+            ).fetchall()
+    return {r[0] for r in rows}
+
+
+def test_recent_failures_newest_first_and_kept_across_the_schema_upgrade(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+):
+    """A store made by the first schema (one index on every outcome) upgrades in place
+    to the partial index on failures; recent_failures lists the same items before and
+    after: this pool's failures, newest first, no successes."""
+    import workpool.store.postgres.store as pg_store
+    import workpool.store.sqlite.store as sqlite_store
+
+    module = sqlite_store if store_url.startswith("sqlite") else pg_store
+    full = list(module.MIGRATIONS)
+    monkeypatch.setattr(module, "MIGRATIONS", full[:1])
+    old = workpool.App(store_url)
+
+    @old.action(name="maybe_fail")
+    def maybe_fail(i: int) -> int:
+        if i % 2:
+            raise ValueError(f"odd {i}")
+        return i
+
+    for name in ("mine", "other"):
+        pool = old.pool(name, retry_actions_by_default=False)
+        for i in range(6):  # one at a time: finished_at orders them
+            pool.enqueue_action(maybe_fail, {"i": i})
+            run_until_idle(old)
+    before = [(f.work_id, f.result) for f in old.pool("mine").recent_failures()]
+    assert [result.error for _, result in before] == [  # type: ignore[union-attr]
+        "ValueError: odd 5",
+        "ValueError: odd 3",
+        "ValueError: odd 1",
+    ]
+    assert "finished_outcome" in _indexes(old, store_url)
+    old.close()
+
+    monkeypatch.setattr(module, "MIGRATIONS", full)
+    new = workpool.App(store_url)
+    try:
+        after = [(f.work_id, f.result) for f in new.pool("mine").recent_failures()]
+        assert after == before
+        assert new.pool("mine").recent_failures(limit=1) == new.pool("mine").recent_failures()[:1]
+        names = _indexes(new, store_url)
+        assert "finished_failed" in names and "finished_outcome" not in names
+    finally:
+        new.close()
