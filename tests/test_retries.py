@@ -262,3 +262,31 @@ def test_running_status_counts_previous_attempts(app, rec: Recorder):
         ("running", 2, 3),
     ]
     assert pool.status(wid).result == workpool.Success(None)
+
+
+def test_separator_and_control_characters_round_trip_exactly(app):
+    """Batched writes join text on the ASCII record separator where it is absent: text
+    that holds one (an error, a return value, args) must come back unchanged."""
+    tricky = "a\x1eb,c\x1f\x00d\u2028\n'\"\\"
+    seen: list[int] = []
+
+    @app.action(name="echo_then_fail")
+    def echo_then_fail(s: str, fail: bool) -> str:
+        seen.append(workpool.current().attempt)
+        if fail and workpool.current().attempt == 1:
+            raise ValueError(s.replace("\x00", ""))
+        return s
+
+    retry = RetryBehavior(max_attempts=2, initial_backoff=0.01, base=1.0)
+    pool = app.pool("sep", default_retry=retry)
+    ids = pool.enqueue_action_batch(
+        echo_then_fail, [{"s": tricky, "fail": i % 2 == 0} for i in range(6)], retry=True
+    )
+    run_until_idle(app)
+    for i, wid in enumerate(ids):
+        info = app.inspect(wid)
+        assert info is not None and info.args == {"s": tricky, "fail": i % 2 == 0}
+        assert info.result == workpool.Success(tricky)
+        if i % 2 == 0:
+            assert info.attempts == 2
+            assert info.last_error == "ValueError: " + tricky.replace("\x00", "")

@@ -29,6 +29,9 @@ class Tx:
         self.store = store
         self.readonly = readonly
         self.after_commit: list[Callable[[], None]] = []
+        # Set by ``Store.run`` when it runs its function again after an error: an
+        # earlier try may have committed (a connection lost during COMMIT).
+        self.retrying = False
 
     def execute(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> Any:
         return self.connection.execute(sql, params)

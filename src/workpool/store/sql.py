@@ -117,6 +117,7 @@ class SqlStore(SqlReads, Store):
         while True:
             try:
                 with self.transaction(readonly=readonly) as tx:
+                    tx.retrying = tx.retrying or attempt > 0  # nested: the outer's say
                     return fn(tx)
             except Exception as exc:
                 cause = exc.__cause__ if exc.__cause__ is not None else exc
