@@ -10,6 +10,7 @@ batched statements at the end; the store still writes them as compare-and-sets.
 from __future__ import annotations
 
 import json
+import logging
 import random
 import traceback
 from collections.abc import Callable, Sequence
@@ -144,15 +145,26 @@ class Tally:
         self.lag_max = 0.0
         self.hist = [0] * len(histogram.LAG_BOUNDS)
 
-    def end(self, kind: str) -> None:
-        """An attempt ended: ``success``, ``failed``, ``canceled`` or ``retry``."""
-        self.ended[kind] += 1
+    def end(self, kind: str, count: int = 1) -> None:
+        """Attempts ended: ``success``, ``failed``, ``canceled`` or ``retry``."""
+        self.ended[kind] += count
 
     def lag(self, seconds: float) -> None:
         self.lag_count += 1
         self.lag_sum += seconds
         self.lag_max = max(self.lag_max, seconds)
         self.hist[histogram.bucket(seconds)] += 1
+
+    def lags(self, seconds: list[float]) -> None:
+        """``lag`` for many attempts at once."""
+        if not seconds:
+            return
+        self.lag_count += len(seconds)
+        self.lag_sum += sum(seconds)
+        self.lag_max = max(self.lag_max, *seconds)
+        hist, bucket = self.hist, histogram.bucket
+        for value in seconds:
+            hist[bucket(value)] += 1
 
     def counters(self) -> Counters:
         ended = self.ended
@@ -247,23 +259,30 @@ class Completion:
         # Sorted: rows are locked in one global order, as everywhere else.
         items = sorted((w.id, w.attempt, _success_json(o)) for w, o, _ in batch)
         done = set(self.store.finish_succeeded(tx, items, now))
+        # This runs per attempt: group by pool so that the tally and the log level
+        # are looked up once per pool, not once per attempt.
+        by_pool: dict[str, list[tuple[ClaimedWork, float]]] = {}
         for work, _, duration in batch:
-            if work.id not in done:
-                continue  # stale: rescued, or canceled and finished elsewhere
-            tally = changes.tally(work.pool)
-            tally.lag(max(work.started_at - work.due_at, 0.0))
-            tally.end("success")
-            changes.direct[work.pool] = changes.direct.get(work.pool, 0) + 1
-            level = self.pool_level(work.pool)
-            events.completed(
-                level,
-                pool=work.pool,
-                work_id=work.id,
-                fn_name=work.fn_name,
-                status="success",
-                attempts=work.attempt,
-                duration=duration,
-            )
+            if work.id in done:  # else stale: rescued, or canceled and finished elsewhere
+                by_pool.setdefault(work.pool, []).append((work, duration))
+        for pool, finished in by_pool.items():
+            tally = changes.tally(pool)
+            tally.end("success", len(finished))
+            tally.lags([max(work.started_at - work.due_at, 0.0) for work, _ in finished])
+            changes.direct[pool] = changes.direct.get(pool, 0) + len(finished)
+            level = self.pool_level(pool)
+            if not events.shown(logging.INFO, level):
+                continue
+            for work, duration in finished:
+                events.completed(
+                    level,
+                    pool=pool,
+                    work_id=work.id,
+                    fn_name=work.fn_name,
+                    status="success",
+                    attempts=work.attempt,
+                    duration=duration,
+                )
 
     def _finish(
         self,

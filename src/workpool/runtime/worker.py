@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import queue
 import signal
@@ -205,7 +206,34 @@ class Worker:
             self._reserved -= count
 
     def _start_all(self, claimed: list[ClaimedWork]) -> None:
-        coros = [c for c in (self._start(work) for work in claimed) if c is not None]
+        """Hand claimed attempts to the executor; async actions start on the loop together.
+
+        Runs per claimed attempt, so what can be done once per batch is: one lock for
+        the in-flight table, one log-level check per pool.
+        """
+        if not claimed:
+            return
+        now = time.monotonic()
+        with self._lock:
+            for work in claimed:
+                deadline = None if work.timeout is None else now + work.timeout
+                self._inflight[(work.id, work.attempt)] = _InFlight(work, deadline)
+        levels = {pool: self.pool_level(pool) for pool in {work.pool for work in claimed}}
+        logged = {p: level for p, level in levels.items() if events.shown(logging.INFO, level)}
+        coros = []
+        for work in claimed:
+            if work.pool in logged:
+                events.started(
+                    logged[work.pool],
+                    pool=work.pool,
+                    work_id=work.id,
+                    fn_name=work.fn_name,
+                    attempt=work.attempt,
+                    start_lag=work.started_at - work.due_at,
+                )
+            coro = self._start(work)
+            if coro is not None:
+                coros.append(coro)
         if coros:
             assert self.executor is not None
             self.executor.submit_async(coros)
@@ -282,20 +310,9 @@ class Worker:
 
     # --- running attempts -------------------------------------------------------------------
     def _start(self, work: ClaimedWork) -> Coroutine[Any, Any, None] | None:
-        """Hand ``work`` to the executor; an async action comes back as a coroutine to start."""
+        """Hand ``work``, already in flight, to the executor; an async action comes back
+        as a coroutine to start."""
         assert self.executor is not None
-        deadline = None if work.timeout is None else time.monotonic() + work.timeout
-        with self._lock:
-            self._inflight[(work.id, work.attempt)] = _InFlight(work, deadline)
-        level = self.pool_level(work.pool)
-        events.started(
-            level,
-            pool=work.pool,
-            work_id=work.id,
-            fn_name=work.fn_name,
-            attempt=work.attempt,
-            start_lag=work.started_at - work.due_at,
-        )
         spec = self.registry.get(work.fn_name)
         if spec is None or spec.kind != work.kind:
             reason = f"{work.kind} {work.fn_name!r} is not registered in this worker's App"
