@@ -637,6 +637,9 @@ class WorkModel(RuleBasedStateMachine):
             any(self.expires[i.worker or GHOST] <= now for i in self.of_state("running")),
             any(i.due_at <= now for i in self.of_state("completing")),
         )
+        assert self.store.run(
+            lambda tx: self.store.maintenance_due(tx, [POOL], now, lost=False), readonly=True
+        ) == (False, due)
         if what in ("tick", "rescue"):
             self.rescue()
         if what in ("tick", "handlers"):

@@ -88,8 +88,10 @@ class Maintenance:
         if rescue or handlers:
             # A read first: the write transactions (on SQLite, the write lock) are
             # taken only when there is something to rescue or retry.
+            # Handler retries are looked for 5x as often as lost work, whose check reads
+            # every running row: ask only what is due.
             lost, due = self.store.run(
-                lambda tx: self.store.maintenance_due(tx, pools, now), readonly=True
+                lambda tx: self.store.maintenance_due(tx, pools, now, lost=rescue), readonly=True
             )
             if rescue and lost:
                 self.rescue(pools, now)

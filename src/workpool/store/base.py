@@ -346,8 +346,14 @@ class Store(abc.ABC):
         """Counters per minute bucket from ``since_bucket`` on, summed over workers."""
 
     @abc.abstractmethod
-    def maintenance_due(self, tx: Tx, pools: Sequence[str], now: float) -> tuple[bool, bool]:
-        """(any lost work, any handler retry due) in ``pools``: a read, no locks."""
+    def maintenance_due(
+        self, tx: Tx, pools: Sequence[str], now: float, *, lost: bool = True
+    ) -> tuple[bool, bool]:
+        """(any lost work, any handler retry due) in ``pools``: a read, no locks.
+
+        ``lost=False`` skips the first question (answered False): it reads every
+        running row, while the second reads only due handler retries.
+        """
 
     @abc.abstractmethod
     def running_of(self, tx: Tx, worker_id: str) -> list[tuple[str, int, float]]:

@@ -461,16 +461,21 @@ class SqlStore(SqlReads, Store):
         ).fetchall()
         return [active_row(r) for r in rows]
 
-    def maintenance_due(self, tx: Tx, pools: Sequence[str], now: float) -> tuple[bool, bool]:
+    def maintenance_due(
+        self, tx: Tx, pools: Sequence[str], now: float, *, lost: bool = True
+    ) -> tuple[bool, bool]:
         marks = ", ".join("?" * len(pools))
+        lost_sql = (
+            "EXISTS (SELECT 1 FROM {s}work w WHERE state = 'running'"
+            f" AND pool IN ({marks}) AND NOT EXISTS (SELECT 1 FROM {{s}}workers k"
+            " WHERE k.id = w.worker_id AND k.expires_at > ?))"
+        )
         row = self.q(
             tx,
-            "SELECT EXISTS (SELECT 1 FROM {s}work w WHERE state = 'running'"
-            f" AND pool IN ({marks}) AND NOT EXISTS (SELECT 1 FROM {{s}}workers k"
-            " WHERE k.id = w.worker_id AND k.expires_at > ?)),"
+            f"SELECT {lost_sql if lost else '0'},"
             " EXISTS (SELECT 1 FROM {s}work WHERE state = 'completing' AND due_at <= ?"
             f" AND pool IN ({marks}))",
-            (*pools, now, now, *pools),
+            (*pools, now, now, *pools) if lost else (now, *pools),
         ).fetchone()
         return bool(row[0]), bool(row[1])
 
