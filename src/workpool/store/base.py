@@ -50,7 +50,8 @@ class PoolConfig:
     paused_from: int | None = None  # the limit before a pause(); resume() restores it
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen, like ClaimedWork: a batch enqueue builds one per item.
+@dataclass(slots=True)
 class NewWork:
     id: str
     pool: str
