@@ -999,7 +999,8 @@ def test_run_worker_arguments(
 
 
 def seed(app: workpool.App, url: str, pool: str, **columns: Any) -> str:
-    """Insert a pending row straight into ``work``, as someone with write access could."""
+    """Insert a pending row straight into ``work`` (and on SQLite its ``payloads`` row),
+    as someone with write access could."""
     row = {
         "id": str(uuid.uuid4()),
         "pool": pool,
@@ -1020,13 +1021,19 @@ def seed(app: workpool.App, url: str, pool: str, **columns: Any) -> str:
         **columns,
     }
     schema = pg_schema_of(url)
-    table = f'"{schema}".work' if schema else "work"
+    prefix = f'"{schema}".' if schema else ""
     p = ph(url)
+    tables: list[tuple[str, dict[str, Any]]] = [("work", row)]
+    if not schema:  # SQLite keeps args and context in their own table
+        payload = {"id": row["id"], "args": row.pop("args"), "context": row.pop("context")}
+        tables.insert(0, ("payloads", payload))
     with app.transaction() as tx:
-        tx.execute(
-            f"INSERT INTO {table} ({', '.join(row)}) VALUES ({', '.join([p] * len(row))})",
-            tuple(row.values()),
-        )
+        for table, values in tables:
+            tx.execute(
+                f"INSERT INTO {prefix}{table} ({', '.join(values)})"
+                f" VALUES ({', '.join([p] * len(values))})",
+                tuple(values.values()),
+            )
     return row["id"]
 
 

@@ -201,7 +201,8 @@ class WorkModel(RuleBasedStateMachine):
         app = self.app
         store = app.store
         prefix = getattr(store, "table_prefix", "")
-        app.run(lambda tx: [tx.execute(f"DELETE FROM {prefix}{t}") for t in TABLES])
+        tables = TABLES if prefix else (*TABLES, "payloads")  # SQLite's own table
+        app.run(lambda tx: [tx.execute(f"DELETE FROM {prefix}{t}") for t in tables])
         self.store = store
         self.clock = Clock()
         app.clock = self.clock

@@ -129,7 +129,7 @@ def test_status_is_answered_from_the_database(app, store_url):
         other.close()
 
 
-def test_status_ttl_expired_work_is_removed_by_the_pools_cleanup(app):
+def test_status_ttl_expired_work_is_removed_by_the_pools_cleanup(app, store_url):
     @app.action(name="job")
     def job() -> None:
         pass
@@ -151,7 +151,13 @@ def test_status_ttl_expired_work_is_removed_by_the_pools_cleanup(app):
             message="expired finished work was not removed",
         )
     assert pool.status(wid) == workpool.Finished(None)
+    assert app.inspect(wid) is None
     assert keep_pool.status(kept) == workpool.Finished(workpool.Canceled())
+    assert app.inspect(kept).args == {}  # type: ignore[union-attr]
+    if store_url.startswith("sqlite"):  # args live in their own table there: gone too
+        with app.transaction() as tx:
+            ids = [r[0] for r in tx.execute("SELECT id FROM payloads").fetchall()]
+        assert ids == [kept]
 
 
 def test_status_ttl_of_work_finished_by_a_worker(app):
@@ -390,47 +396,68 @@ def _indexes(app: workpool.App, store_url: str) -> set[str]:
     return {r[0] for r in rows}
 
 
-def test_recent_failures_newest_first_and_kept_across_the_schema_upgrade(
+def test_a_first_schema_store_upgrades_in_place_keeping_its_work(
     store_url: str, monkeypatch: pytest.MonkeyPatch
 ):
-    """A store made by the first schema (one index on every outcome) upgrades in place
-    to the partial index on failures; recent_failures lists the same items before and
-    after: this pool's failures, newest first, no successes."""
+    """A store made by the first schema (args and context inline, one index on every
+    outcome) upgrades in place: pending work keeps its args and context and runs,
+    finished work keeps its args, recent_failures lists the failures newest first."""
     import workpool.store.postgres.store as pg_store
     import workpool.store.sqlite.store as sqlite_store
+    from workpool.core.results import result_to_json
 
     module = sqlite_store if store_url.startswith("sqlite") else pg_store
     full = list(module.MIGRATIONS)
     monkeypatch.setattr(module, "MIGRATIONS", full[:1])
     old = workpool.App(store_url)
-
-    @old.action(name="maybe_fail")
-    def maybe_fail(i: int) -> int:
-        if i % 2:
-            raise ValueError(f"odd {i}")
-        return i
-
-    for name in ("mine", "other"):
-        pool = old.pool(name, retry_actions_by_default=False)
-        for i in range(6):  # one at a time: finished_at orders them
-            pool.enqueue_action(maybe_fail, {"i": i})
-            run_until_idle(old)
-    before = [(f.work_id, f.result) for f in old.pool("mine").recent_failures()]
-    assert [result.error for _, result in before] == [  # type: ignore[union-attr]
-        "ValueError: odd 5",
-        "ValueError: odd 3",
-        "ValueError: odd 1",
-    ]
+    old._migrate()
     assert "finished_outcome" in _indexes(old, store_url)
+    prefix = getattr(old.store, "table_prefix", "")
+    mark = "?" if store_url.startswith("sqlite") else "%s"
+    now = time.time()
+    pending = str(uuid.uuid4())
+    finished = {str(uuid.uuid4()): i for i in range(6)}  # odd ones failed
+    with old.transaction() as tx:
+        tx.execute(
+            f"INSERT INTO {prefix}work (id, pool, kind, fn_name, args, on_complete, context,"
+            " state, due_at, attempt, cancel_requested, handler_failures, lost_count,"
+            f" enqueued_at) VALUES ({mark}, 'mine', 'action', 'add', {mark}, 'noted', {mark},"
+            f" 'pending', {mark}, 0, 0, 0, 0, {mark})",
+            (pending, '{"a":2,"b":3}', '{"order":7}', now - 1, now - 1),
+        )
+        for wid, i in finished.items():
+            result = workpool.Failed(f"odd {i}") if i % 2 else workpool.Success(i)
+            tx.execute(
+                f"INSERT INTO {prefix}finished (id, pool, fn_name, kind, args, outcome, result,"
+                " attempts, enqueued_at, finished_at) VALUES"
+                f" ({mark}, 'mine', 'add', 'action', {mark}, {mark}, {mark}, 1, {mark}, {mark})",
+                (wid, f'{{"a":{i},"b":0}}', result.kind, result_to_json(result), now, now + i),
+            )
     old.close()
 
     monkeypatch.setattr(module, "MIGRATIONS", full)
     new = workpool.App(store_url)
+    noted: list[tuple[str, object, object]] = []
+
+    @new.action(name="add")
+    def add(a: int, b: int) -> int:
+        return a + b
+
+    @new.mutation(name="noted")
+    def noted_fn(tx: object, work_id: str, context: object, result: object) -> None:
+        noted.append((work_id, context, result))
+
     try:
-        after = [(f.work_id, f.result) for f in new.pool("mine").recent_failures()]
-        assert after == before
-        assert new.pool("mine").recent_failures(limit=1) == new.pool("mine").recent_failures()[:1]
         names = _indexes(new, store_url)
         assert "finished_failed" in names and "finished_outcome" not in names
+        pool = new.pool("mine")
+        failures = pool.recent_failures()
+        assert [f.result for f in failures] == [workpool.Failed(f"odd {i}") for i in (5, 3, 1)]
+        assert [f.args for f in failures] == [{"a": i, "b": 0} for i in (5, 3, 1)]
+        assert new.inspect(pending).args == {"a": 2, "b": 3}  # type: ignore[union-attr]
+        run_until_idle(new)
+        assert pool.status(pending) == workpool.Finished(workpool.Success(5))
+        assert noted == [(pending, {"order": 7}, workpool.Success(5))]
+        assert new.inspect(pending).args == {"a": 2, "b": 3}  # type: ignore[union-attr]
     finally:
         new.close()

@@ -40,6 +40,14 @@ class SqlStore(SqlReads, Store):
 
     param: ClassVar[str] = "?"
     for_update: ClassVar[str] = ""  # row lock on a read inside a write transaction
+    # Where a row's args and context are read from (w: a work row, f: a finished one).
+    # SQLite keeps them in payloads, written once at enqueue (its migration 3 says
+    # why); PostgreSQL keeps them in the row, where TOAST spares big values already.
+    PAYLOAD_SQL: ClassVar[dict[str, str]] = {
+        "{args_w}": "coalesce((SELECT p.args FROM {s}payloads p WHERE p.id = w.id), '')",
+        "{args_f}": "coalesce((SELECT p.args FROM {s}payloads p WHERE p.id = f.id), '')",
+        "{context_w}": "(SELECT p.context FROM {s}payloads p WHERE p.id = w.id)",
+    }
     skip_locked: ClassVar[str] = ""  # row lock that skips rows others hold
     table_prefix: str = ""
     # How long ``run`` keeps retrying transient failures (busy file, restarting
@@ -72,7 +80,10 @@ class SqlStore(SqlReads, Store):
     def _sql(self, template: str) -> str:
         sql = self._sql_cache.get(template)
         if sql is None:
-            sql = template.replace("{s}", self.table_prefix)
+            sql = template
+            for token, expr in self.PAYLOAD_SQL.items():
+                sql = sql.replace(token, expr)
+            sql = sql.replace("{s}", self.table_prefix)
             if self.param != "?":
                 sql = sql.replace("?", self.param)
             self._sql_cache[template] = sql
@@ -224,14 +235,27 @@ class SqlStore(SqlReads, Store):
         self._insert_rows(tx, self._work_rows(items))
 
     def _insert_rows(self, tx: Tx, rows: list[tuple[Any, ...]]) -> None:
-        sql = self._sql(
-            "INSERT INTO {s}work (id, pool, kind, fn_name, args, on_complete, context, retry,"
-            " timeout, state, due_at, attempt, cancel_requested, handler_failures, lost_count,"
-            " enqueued_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?, 0, 0, 0, 0, ?)"
-            # A retry after an ambiguous commit (connection lost) must not fail.
-            " ON CONFLICT (id) DO NOTHING"
+        # Rows as _work_rows makes them: id, pool, kind, fn_name, args, on_complete,
+        # context, retry, timeout, due_at, enqueued_at.
+        # A retry after an ambiguous commit (connection lost) must not fail.
+        self._executemany(
+            tx,
+            self._sql(
+                "INSERT INTO {s}payloads (id, context, args) VALUES (?, ?, ?)"
+                " ON CONFLICT (id) DO NOTHING"
+            ),
+            [(r[0], r[6], r[4]) for r in rows],
         )
-        self._executemany(tx, sql, rows)
+        self._executemany(
+            tx,
+            self._sql(
+                "INSERT INTO {s}work (id, pool, kind, fn_name, on_complete, retry, timeout,"
+                " state, due_at, attempt, cancel_requested, handler_failures, lost_count,"
+                " enqueued_at) VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', ?, 0, 0, 0, 0, ?)"
+                " ON CONFLICT (id) DO NOTHING"
+            ),
+            [(r[0], r[1], r[2], r[3], r[5], r[7], r[8], r[9], r[10]) for r in rows],
+        )
 
     @staticmethod
     def _work_rows(items: Sequence[NewWork]) -> list[tuple[Any, ...]]:
@@ -268,7 +292,7 @@ class SqlStore(SqlReads, Store):
     _CLAIM = (
         "UPDATE {s}work SET state = 'running', attempt = attempt + 1, worker_id = ?,"
         " started_at = ? WHERE %s"
-        " RETURNING id, kind, fn_name, args, attempt, timeout, due_at, on_complete IS NOT NULL"
+        " RETURNING id, kind, fn_name, attempt, timeout, due_at, on_complete IS NOT NULL"
     )
     _CLAIM_IDS = (
         "SELECT id FROM {s}work WHERE pool = ? AND state = 'pending' AND due_at <= ?"
@@ -284,12 +308,12 @@ class SqlStore(SqlReads, Store):
                 pool=pool,
                 kind=r[1],
                 fn_name=r[2],
-                args=r[3],
-                attempt=int(r[4]),
-                timeout=None if r[5] is None else float(r[5]),
-                due_at=float(r[6]),
+                args=r[7],
+                attempt=int(r[3]),
+                timeout=None if r[4] is None else float(r[4]),
+                due_at=float(r[5]),
                 started_at=now,
-                has_on_complete=bool(r[7]),
+                has_on_complete=bool(r[6]),
             )
             for r in self._claim_rows(tx, pool, limit, max_parallelism, worker_id, now)
         ]
@@ -297,6 +321,9 @@ class SqlStore(SqlReads, Store):
     def _claim_rows(
         self, tx: Tx, pool: str, limit: int, max_parallelism: int, worker_id: str, now: float
     ) -> list[Any]:
+        """Claimed rows as (id, kind, fn_name, attempt, timeout, due_at, has_on_complete,
+        args). Here args are "" when the payload row is missing: the worker fails such
+        work as corrupt."""
         # Exact global limit: every claimer of this pool holds the pool lock from here
         # to commit, and only claims add running rows, so the count below cannot be
         # raised by anyone else before we commit (completions only lower it).
@@ -305,7 +332,13 @@ class SqlStore(SqlReads, Store):
         if free <= 0:
             return []
         sql = self._CLAIM % f"id IN ({self._CLAIM_IDS % ('?', self.skip_locked)})"
-        return list(self.q(tx, sql, (worker_id, now, pool, now, free)).fetchall())
+        rows = self.q(tx, sql, (worker_id, now, pool, now, free)).fetchall()
+        args: dict[str, str] = {}
+        for chunk in self.iter_chunks([r[0] for r in rows], IN_CHUNK):
+            marks = ", ".join("?" * len(chunk))
+            found = self.q(tx, f"SELECT id, args FROM {{s}}payloads WHERE id IN ({marks})", chunk)
+            args.update(found.fetchall())
+        return [(*r, args.get(r[0], "")) for r in rows]
 
     def claimable(self, tx: Tx, pools: Sequence[str] | None, now: float) -> bool:
         names = [] if pools is None else storable(pools)
@@ -326,7 +359,9 @@ class SqlStore(SqlReads, Store):
 
     def load_for_update(self, tx: Tx, work_id: str) -> ActiveWork | None:
         row = self.q(
-            tx, f"SELECT {ACTIVE_COLUMNS} FROM {{s}}work WHERE id = ?" + self.for_update, (work_id,)
+            tx,
+            f"SELECT {ACTIVE_COLUMNS} FROM {{s}}work w WHERE w.id = ?" + self.for_update,
+            (work_id,),
         ).fetchone()
         return None if row is None else active_row(row)
 
@@ -338,7 +373,7 @@ class SqlStore(SqlReads, Store):
             marks = ", ".join("?" * len(chunk))
             rows = self.q(
                 tx,
-                f"SELECT {ACTIVE_COLUMNS} FROM {{s}}work WHERE id IN ({marks}) ORDER BY id"
+                f"SELECT {ACTIVE_COLUMNS} FROM {{s}}work w WHERE w.id IN ({marks}) ORDER BY w.id"
                 + self.for_update,
                 chunk,
             ).fetchall()
@@ -349,13 +384,14 @@ class SqlStore(SqlReads, Store):
     def finish_many(self, tx: Tx, items: Sequence[Finishing], now: float) -> None:
         if not items:
             return
-        # Copied inside the database: args are kept for inspection without a round trip.
+        # Copied inside the database. The payload (args, context) stays where it is,
+        # for inspection, until the finished row is pruned.
         self._executemany(
             tx,
             self._sql(
-                "INSERT INTO {s}finished (id, pool, fn_name, kind, args, on_complete, outcome,"
+                "INSERT INTO {s}finished (id, pool, fn_name, kind, on_complete, outcome,"
                 " result, attempts, enqueued_at, finished_at, last_error, handler_error)"
-                " SELECT id, pool, fn_name, kind, args, on_complete, ?, ?, attempt, enqueued_at,"
+                " SELECT id, pool, fn_name, kind, on_complete, ?, ?, attempt, enqueued_at,"
                 " ?, last_error, ? FROM {s}work WHERE id = ? AND state = ? AND attempt = ?"
             ),
             [
@@ -397,9 +433,9 @@ class SqlStore(SqlReads, Store):
         self._executemany(
             tx,
             self._sql(
-                "INSERT INTO {s}finished (id, pool, fn_name, kind, args, on_complete, outcome,"
+                "INSERT INTO {s}finished (id, pool, fn_name, kind, on_complete, outcome,"
                 " result, attempts, enqueued_at, finished_at, last_error)"
-                " SELECT id, pool, fn_name, kind, args, on_complete, 'success', ?, attempt,"
+                " SELECT id, pool, fn_name, kind, on_complete, 'success', ?, attempt,"
                 " enqueued_at, ?, last_error FROM {s}work WHERE id = ?"
             ),
             [(result, now, work_id) for work_id, result in live],
@@ -444,7 +480,7 @@ class SqlStore(SqlReads, Store):
         marks = ", ".join("?" * len(pools))
         rows = self.q(
             tx,
-            f"SELECT {ACTIVE_COLUMNS} FROM {{s}}work WHERE state = 'completing' AND due_at <= ?"
+            f"SELECT {ACTIVE_COLUMNS} FROM {{s}}work w WHERE state = 'completing' AND due_at <= ?"
             f" AND pool IN ({marks}) ORDER BY due_at LIMIT ?" + self.skip_locked,
             (now, *pools, limit),
         ).fetchall()
@@ -508,13 +544,20 @@ class SqlStore(SqlReads, Store):
         return [r[0] for r in rows]
 
     def prune(self, tx: Tx, pool: str, before: float, limit: int) -> int:
-        cur = self.q(
-            tx,
-            "DELETE FROM {s}finished WHERE id IN (SELECT id FROM {s}finished WHERE pool = ?"
-            " AND finished_at < ? ORDER BY finished_at LIMIT ?)",
-            (pool, before, limit),
-        )
-        return int(cur.rowcount)
+        ids = [
+            r[0]
+            for r in self.q(
+                tx,
+                "SELECT id FROM {s}finished WHERE pool = ? AND finished_at < ?"
+                " ORDER BY finished_at LIMIT ?" + self.skip_locked,
+                (pool, before, limit),
+            ).fetchall()
+        ]
+        for chunk in self.iter_chunks(ids, IN_CHUNK):
+            marks = ", ".join("?" * len(chunk))
+            self.q(tx, f"DELETE FROM {{s}}finished WHERE id IN ({marks})", chunk)
+            self.q(tx, f"DELETE FROM {{s}}payloads WHERE id IN ({marks})", chunk)
+        return len(ids)
 
     # --- workers, counters, introspection ---------------------------------------------------
     def heartbeat(self, tx: Tx, worker: WorkerInfo, now: float, expires_at: float) -> None:

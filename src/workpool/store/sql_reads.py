@@ -12,10 +12,12 @@ from workpool.core.retry import RetryBehavior
 from workpool.store.base import ActiveWork, Counters, FinishedRow, PoolCounts, StatusRow, Tx
 
 IN_CHUNK = 500  # ids per IN (...) list: well under SQLite's variable limit
+# Of ``{s}work w``. {context_w}, {args_w} and {args_f} (of ``{s}finished f``) are
+# where the store keeps a row's payload: see SqlStore.PAYLOAD_SQL.
 ACTIVE_COLUMNS = (
-    "id, pool, kind, fn_name, state, attempt, retry, on_complete, context, cancel_requested,"
-    " enqueued_at, due_at, result, handler_failures, lost_count, last_error, worker_id,"
-    " started_at"
+    "w.id, w.pool, w.kind, w.fn_name, w.state, w.attempt, w.retry, w.on_complete,"
+    " {context_w}, w.cancel_requested, w.enqueued_at, w.due_at, w.result,"
+    " w.handler_failures, w.lost_count, w.last_error, w.worker_id, w.started_at"
 )
 HIST_COLUMNS = tuple(
     f"lag_h{i}" for i in range(len(histogram.LAG_BOUNDS))
@@ -101,9 +103,9 @@ class SqlReads:
             return None
         row = self.q(
             tx,
-            "SELECT id, pool, kind, fn_name, state, args, attempt, enqueued_at, due_at,"
+            "SELECT id, pool, kind, fn_name, state, {args_w}, attempt, enqueued_at, due_at,"
             " started_at, worker_id, last_error, result, on_complete, cancel_requested, retry,"
-            " timeout FROM {s}work WHERE id = ?",
+            " timeout FROM {s}work w WHERE id = ?",
             (work_id,),
         ).fetchone()
         if row is not None:
@@ -140,8 +142,8 @@ class SqlReads:
     ) -> list[WorkInfo]:
         rows = self.q(
             tx,
-            "SELECT id, pool, kind, fn_name, args, attempts, enqueued_at, finished_at,"
-            " last_error, result, on_complete, handler_error FROM {s}finished"
+            "SELECT id, pool, kind, fn_name, {args_f}, attempts, enqueued_at, finished_at,"
+            " last_error, result, on_complete, handler_error FROM {s}finished f"
             f" WHERE {where} ORDER BY {order} LIMIT ?",
             (*params, limit),
         ).fetchall()
@@ -170,7 +172,7 @@ class SqlReads:
         for chunk in _chunks(ids):
             marks = ", ".join("?" * len(chunk))
             for row in self.q(
-                tx, f"SELECT {ACTIVE_COLUMNS} FROM {{s}}work WHERE id IN ({marks})", chunk
+                tx, f"SELECT {ACTIVE_COLUMNS} FROM {{s}}work w WHERE w.id IN ({marks})", chunk
             ).fetchall():
                 found[row[0]] = StatusRow(active=active_row(row))
             for row in self.q(

@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import psycopg
@@ -85,6 +85,11 @@ class PostgresStore(SqlStore):
     param = "%s"
     for_update = " FOR UPDATE"
     skip_locked = " FOR UPDATE SKIP LOCKED"
+    PAYLOAD_SQL: ClassVar[dict[str, str]] = {
+        "{args_w}": "w.args",
+        "{args_f}": "f.args",
+        "{context_w}": "w.context",
+    }
 
     def __init__(self, url: str, *, schema: str = "workpool") -> None:
         super().__init__()
@@ -232,7 +237,7 @@ class PostgresStore(SqlStore):
         ids = self._CLAIM_IDS % (free, self.skip_locked)
         with self.pipeline(tx):
             self._lock_pool(tx, pool)
-            sql = self._sql(self._CLAIM % f"id = ANY(ARRAY({ids}))")
+            sql = self._sql(self._CLAIM % f"id = ANY(ARRAY({ids}))" + ", args")
             params = (worker_id, now, pool, now, limit, max_parallelism, pool)
             return list(tx.execute(sql, params).fetchall())
 
@@ -392,6 +397,15 @@ class PostgresStore(SqlStore):
             " WHERE w.id = h.id AND w.state = h.state AND w.attempt = h.attempt",
             params,
         )
+
+    def prune(self, tx: Tx, pool: str, before: float, limit: int) -> int:
+        cur = tx.execute(
+            f"DELETE FROM {self.table_prefix}finished WHERE id IN (SELECT id FROM"
+            f" {self.table_prefix}finished WHERE pool = %s AND finished_at < %s"
+            " ORDER BY finished_at LIMIT %s)",
+            (pool, before, limit),
+        )
+        return int(cur.rowcount)
 
     def _executemany(self, tx: Tx, sql: str, rows: list[tuple[Any, ...]]) -> None:
         with tx.connection.cursor() as cur:
