@@ -14,7 +14,6 @@ from workpool.core.retry import RetryBehavior
 from workpool.store.base import (
     ActiveWork,
     ClaimedWork,
-    Finishing,
     Handing,
     NewWork,
     PoolConfig,
@@ -40,14 +39,9 @@ class SqlStore(SqlReads, Store):
 
     param: ClassVar[str] = "?"
     for_update: ClassVar[str] = ""  # row lock on a read inside a write transaction
-    # Where a row's args and context are read from (w: a work row, f: a finished one).
-    # SQLite keeps them in payloads, written once at enqueue (its migration 3 says
-    # why); PostgreSQL keeps them in the row, where TOAST spares big values already.
-    PAYLOAD_SQL: ClassVar[dict[str, str]] = {
-        "{args_w}": "coalesce((SELECT p.args FROM {s}payloads p WHERE p.id = w.id), '')",
-        "{args_f}": "coalesce((SELECT p.args FROM {s}payloads p WHERE p.id = f.id), '')",
-        "{context_w}": "(SELECT p.context FROM {s}payloads p WHERE p.id = w.id)",
-    }
+    # Where a row's args and context are read from, by {args_w}, {args_f} and
+    # {context_w} in the shared queries (w: a work row, f: a finished one).
+    PAYLOAD_SQL: ClassVar[dict[str, str]]
     skip_locked: ClassVar[str] = ""  # row lock that skips rows others hold
     table_prefix: str = ""
     # How long ``run`` keeps retrying transient failures (busy file, restarting
@@ -235,27 +229,9 @@ class SqlStore(SqlReads, Store):
         self._insert_rows(tx, self._work_rows(items))
 
     def _insert_rows(self, tx: Tx, rows: list[tuple[Any, ...]]) -> None:
-        # Rows as _work_rows makes them: id, pool, kind, fn_name, args, on_complete,
-        # context, retry, timeout, due_at, enqueued_at.
-        # A retry after an ambiguous commit (connection lost) must not fail.
-        self._executemany(
-            tx,
-            self._sql(
-                "INSERT INTO {s}payloads (id, context, args) VALUES (?, ?, ?)"
-                " ON CONFLICT (id) DO NOTHING"
-            ),
-            [(r[0], r[6], r[4]) for r in rows],
-        )
-        self._executemany(
-            tx,
-            self._sql(
-                "INSERT INTO {s}work (id, pool, kind, fn_name, on_complete, retry, timeout,"
-                " state, due_at, attempt, cancel_requested, handler_failures, lost_count,"
-                " enqueued_at) VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', ?, 0, 0, 0, 0, ?)"
-                " ON CONFLICT (id) DO NOTHING"
-            ),
-            [(r[0], r[1], r[2], r[3], r[5], r[7], r[8], r[9], r[10]) for r in rows],
-        )
+        """Insert new pending work: rows as ``_work_rows`` makes them (id, pool, kind,
+        fn_name, args, on_complete, context, retry, timeout, due_at, enqueued_at)."""
+        raise NotImplementedError
 
     @staticmethod
     def _work_rows(items: Sequence[NewWork]) -> list[tuple[Any, ...]]:
@@ -321,24 +297,10 @@ class SqlStore(SqlReads, Store):
     def _claim_rows(
         self, tx: Tx, pool: str, limit: int, max_parallelism: int, worker_id: str, now: float
     ) -> list[Any]:
-        """Claimed rows as (id, kind, fn_name, attempt, timeout, due_at, has_on_complete,
-        args). Here args are "" when the payload row is missing: the worker fails such
-        work as corrupt."""
-        # Exact global limit: every claimer of this pool holds the pool lock from here
-        # to commit, and only claims add running rows, so the count below cannot be
-        # raised by anyone else before we commit (completions only lower it).
-        self._lock_pool(tx, pool)
-        free = min(limit, max_parallelism - self.running_count(tx, pool))
-        if free <= 0:
-            return []
-        sql = self._CLAIM % f"id IN ({self._CLAIM_IDS % ('?', self.skip_locked)})"
-        rows = self.q(tx, sql, (worker_id, now, pool, now, free)).fetchall()
-        args: dict[str, str] = {}
-        for chunk in self.iter_chunks([r[0] for r in rows], IN_CHUNK):
-            marks = ", ".join("?" * len(chunk))
-            found = self.q(tx, f"SELECT id, args FROM {{s}}payloads WHERE id IN ({marks})", chunk)
-            args.update(found.fetchall())
-        return [(*r, args.get(r[0], "")) for r in rows]
+        """Claim up to ``limit`` due rows of ``pool`` within ``max_parallelism``, as
+        (id, kind, fn_name, attempt, timeout, due_at, has_on_complete, args): ``_CLAIM``'s
+        columns, then the args."""
+        raise NotImplementedError
 
     def claimable(self, tx: Tx, pools: Sequence[str] | None, now: float) -> bool:
         names = [] if pools is None else storable(pools)
@@ -380,70 +342,6 @@ class SqlStore(SqlReads, Store):
             for row in rows:
                 found[row[0]] = active_row(row)
         return found
-
-    def finish_many(self, tx: Tx, items: Sequence[Finishing], now: float) -> None:
-        if not items:
-            return
-        # Copied inside the database. The payload (args, context) stays where it is,
-        # for inspection, until the finished row is pruned.
-        self._executemany(
-            tx,
-            self._sql(
-                "INSERT INTO {s}finished (id, pool, fn_name, kind, on_complete, outcome,"
-                " result, attempts, enqueued_at, finished_at, last_error, handler_error)"
-                " SELECT id, pool, fn_name, kind, on_complete, ?, ?, attempt, enqueued_at,"
-                " ?, last_error, ? FROM {s}work WHERE id = ? AND state = ? AND attempt = ?"
-            ),
-            [
-                (
-                    f.outcome,
-                    f.result,
-                    now,
-                    f.handler_error,
-                    f.work.id,
-                    f.work.state,
-                    f.work.attempt,
-                )
-                for f in items
-            ],
-        )
-        self._executemany(
-            tx,
-            self._sql("DELETE FROM {s}work WHERE id = ? AND state = ? AND attempt = ?"),
-            [(f.work.id, f.work.state, f.work.attempt) for f in items],
-        )
-
-    def finish_succeeded(
-        self, tx: Tx, items: Sequence[tuple[str, int, str]], now: float
-    ) -> list[str]:
-        # One read finds the rows still running the attempt; the writes then need no
-        # check of their own, because a write transaction here holds SQLite's only
-        # write lock from BEGIN IMMEDIATE to COMMIT. (PostgreSQL overrides this.)
-        # Measured: 20 -> 15 us per job against a DELETE ... RETURNING per row.
-        wanted = {work_id: (attempt, result) for work_id, attempt, result in items}
-        live: list[tuple[str, str]] = []
-        for chunk in self.iter_chunks(sorted(storable(list(wanted))), IN_CHUNK):
-            marks = ", ".join("?" * len(chunk))
-            rows = self.q(
-                tx,
-                f"SELECT id, attempt FROM {{s}}work WHERE id IN ({marks}) AND state = 'running'",
-                chunk,
-            ).fetchall()
-            live += [(r[0], wanted[r[0]][1]) for r in rows if wanted[r[0]][0] == r[1]]
-        self._executemany(
-            tx,
-            self._sql(
-                "INSERT INTO {s}finished (id, pool, fn_name, kind, on_complete, outcome,"
-                " result, attempts, enqueued_at, finished_at, last_error)"
-                " SELECT id, pool, fn_name, kind, on_complete, 'success', ?, attempt,"
-                " enqueued_at, ?, last_error FROM {s}work WHERE id = ?"
-            ),
-            [(result, now, work_id) for work_id, result in live],
-        )
-        self._executemany(
-            tx, self._sql("DELETE FROM {s}work WHERE id = ?"), [(work_id,) for work_id, _ in live]
-        )
-        return [work_id for work_id, _ in live]
 
     def retry_many(self, tx: Tx, items: Sequence[Retrying]) -> None:
         if not items:
@@ -542,22 +440,6 @@ class SqlStore(SqlReads, Store):
             (pool, before, limit),
         ).fetchall()
         return [r[0] for r in rows]
-
-    def prune(self, tx: Tx, pool: str, before: float, limit: int) -> int:
-        ids = [
-            r[0]
-            for r in self.q(
-                tx,
-                "SELECT id FROM {s}finished WHERE pool = ? AND finished_at < ?"
-                " ORDER BY finished_at LIMIT ?" + self.skip_locked,
-                (pool, before, limit),
-            ).fetchall()
-        ]
-        for chunk in self.iter_chunks(ids, IN_CHUNK):
-            marks = ", ".join("?" * len(chunk))
-            self.q(tx, f"DELETE FROM {{s}}finished WHERE id IN ({marks})", chunk)
-            self.q(tx, f"DELETE FROM {{s}}payloads WHERE id IN ({marks})", chunk)
-        return len(ids)
 
     # --- workers, counters, introspection ---------------------------------------------------
     def heartbeat(self, tx: Tx, worker: WorkerInfo, now: float, expires_at: float) -> None:

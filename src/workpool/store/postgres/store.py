@@ -227,7 +227,7 @@ class PostgresStore(SqlStore):
         self, tx: Tx, pool: str, limit: int, max_parallelism: int, worker_id: str, now: float
     ) -> list[Any]:
         # The lock, then the count and the claim in one statement whose snapshot is
-        # taken after the lock is granted: exact as in SqlStore, in one round trip.
+        # taken after the lock is granted: exact as in SqliteStore, in one round trip.
         free = (
             "GREATEST(LEAST(%s::int, %s::int - (SELECT count(*) FROM"
             f" {self.table_prefix}work WHERE pool = %s AND state = 'running')), 0)"

@@ -7,12 +7,13 @@ import random
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
 
 from workpool.core.errors import InvalidArgumentError, StoreUnavailableError
-from workpool.store.base import Tx, Watcher
+from workpool.store.base import Finishing, Tx, Watcher
 from workpool.store.sql import SqlStore
+from workpool.store.sql_reads import IN_CHUNK, storable
 from workpool.store.sqlite.migrations import MIGRATIONS
 
 # How long one statement waits for another process's write lock before SQLite
@@ -96,7 +97,7 @@ class SqliteStore(SqlStore):
 
         SQLite's own busy handler sleeps 1, 2, 5, 10 ... 100 ms between tries, so a
         worker waiting behind another process's short write would idle for tens of
-        milliseconds; this polls fast and backs off only to 5 ms.
+        milliseconds; this polls fast and backs off only to 1 ms.
         """
         conn.execute("PRAGMA busy_timeout = 0")
         try:
@@ -180,6 +181,137 @@ class SqliteStore(SqlStore):
 
     def watcher(self) -> Watcher:
         return _VersionProbe(self._connect())
+
+    # --- the work and payload tables (schema 3) ------------------------------------------
+    # Args and context live in payloads, written once at enqueue: SQLite rewrites a
+    # whole row on every update (migration 3 says more).
+    PAYLOAD_SQL: ClassVar[dict[str, str]] = {
+        "{args_w}": "coalesce((SELECT p.args FROM {s}payloads p WHERE p.id = w.id), '')",
+        "{args_f}": "coalesce((SELECT p.args FROM {s}payloads p WHERE p.id = f.id), '')",
+        "{context_w}": "(SELECT p.context FROM {s}payloads p WHERE p.id = w.id)",
+    }
+
+    def _insert_rows(self, tx: Tx, rows: list[tuple[Any, ...]]) -> None:
+        # A retry after an ambiguous commit must not fail on ids it may have written.
+        self._executemany(
+            tx,
+            self._sql(
+                "INSERT INTO {s}payloads (id, context, args) VALUES (?, ?, ?)"
+                " ON CONFLICT (id) DO NOTHING"
+            ),
+            [(r[0], r[6], r[4]) for r in rows],
+        )
+        self._executemany(
+            tx,
+            self._sql(
+                "INSERT INTO {s}work (id, pool, kind, fn_name, on_complete, retry, timeout,"
+                " state, due_at, attempt, cancel_requested, handler_failures, lost_count,"
+                " enqueued_at) VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', ?, 0, 0, 0, 0, ?)"
+                " ON CONFLICT (id) DO NOTHING"
+            ),
+            [(r[0], r[1], r[2], r[3], r[5], r[7], r[8], r[9], r[10]) for r in rows],
+        )
+
+    def _claim_rows(
+        self, tx: Tx, pool: str, limit: int, max_parallelism: int, worker_id: str, now: float
+    ) -> list[Any]:
+        """Args are "" when the payload row is missing: the worker fails such work as
+        corrupt."""
+        # Exact global limit: every claimer of this pool holds the pool lock from here
+        # to commit, and only claims add running rows, so the count below cannot be
+        # raised by anyone else before we commit (completions only lower it).
+        self._lock_pool(tx, pool)
+        free = min(limit, max_parallelism - self.running_count(tx, pool))
+        if free <= 0:
+            return []
+        sql = self._CLAIM % f"id IN ({self._CLAIM_IDS % ('?', self.skip_locked)})"
+        rows = self.q(tx, sql, (worker_id, now, pool, now, free)).fetchall()
+        args: dict[str, str] = {}
+        for chunk in self.iter_chunks([r[0] for r in rows], IN_CHUNK):
+            marks = ", ".join("?" * len(chunk))
+            found = self.q(tx, f"SELECT id, args FROM {{s}}payloads WHERE id IN ({marks})", chunk)
+            args.update(found.fetchall())
+        return [(*r, args.get(r[0], "")) for r in rows]
+
+    def finish_many(self, tx: Tx, items: Sequence[Finishing], now: float) -> None:
+        if not items:
+            return
+        # Copied inside the database. The payload (args, context) stays where it is,
+        # for inspection, until the finished row is pruned.
+        self._executemany(
+            tx,
+            self._sql(
+                "INSERT INTO {s}finished (id, pool, fn_name, kind, on_complete, outcome,"
+                " result, attempts, enqueued_at, finished_at, last_error, handler_error)"
+                " SELECT id, pool, fn_name, kind, on_complete, ?, ?, attempt, enqueued_at,"
+                " ?, last_error, ? FROM {s}work WHERE id = ? AND state = ? AND attempt = ?"
+            ),
+            [
+                (
+                    f.outcome,
+                    f.result,
+                    now,
+                    f.handler_error,
+                    f.work.id,
+                    f.work.state,
+                    f.work.attempt,
+                )
+                for f in items
+            ],
+        )
+        self._executemany(
+            tx,
+            self._sql("DELETE FROM {s}work WHERE id = ? AND state = ? AND attempt = ?"),
+            [(f.work.id, f.work.state, f.work.attempt) for f in items],
+        )
+
+    def finish_succeeded(
+        self, tx: Tx, items: Sequence[tuple[str, int, str]], now: float
+    ) -> list[str]:
+        # One read finds the rows still running the attempt; the writes then need no
+        # check of their own, because a write transaction here holds SQLite's only
+        # write lock from BEGIN IMMEDIATE to COMMIT.
+        # Measured: 20 -> 15 us per job against a DELETE ... RETURNING per row.
+        wanted = {work_id: (attempt, result) for work_id, attempt, result in items}
+        live: list[tuple[str, str]] = []
+        for chunk in self.iter_chunks(sorted(storable(list(wanted))), IN_CHUNK):
+            marks = ", ".join("?" * len(chunk))
+            rows = self.q(
+                tx,
+                f"SELECT id, attempt FROM {{s}}work WHERE id IN ({marks}) AND state = 'running'",
+                chunk,
+            ).fetchall()
+            live += [(r[0], wanted[r[0]][1]) for r in rows if wanted[r[0]][0] == r[1]]
+        self._executemany(
+            tx,
+            self._sql(
+                "INSERT INTO {s}finished (id, pool, fn_name, kind, on_complete, outcome,"
+                " result, attempts, enqueued_at, finished_at, last_error)"
+                " SELECT id, pool, fn_name, kind, on_complete, 'success', ?, attempt,"
+                " enqueued_at, ?, last_error FROM {s}work WHERE id = ?"
+            ),
+            [(result, now, work_id) for work_id, result in live],
+        )
+        self._executemany(
+            tx, self._sql("DELETE FROM {s}work WHERE id = ?"), [(work_id,) for work_id, _ in live]
+        )
+        return [work_id for work_id, _ in live]
+
+    def prune(self, tx: Tx, pool: str, before: float, limit: int) -> int:
+        ids = [
+            r[0]
+            for r in self.q(
+                tx,
+                "SELECT id FROM {s}finished WHERE pool = ? AND finished_at < ?"
+                " ORDER BY finished_at LIMIT ?",
+                (pool, before, limit),
+            ).fetchall()
+        ]
+        for chunk in self.iter_chunks(ids, IN_CHUNK):
+            marks = ", ".join("?" * len(chunk))
+            self.q(tx, f"DELETE FROM {{s}}finished WHERE id IN ({marks})", chunk)
+            self.q(tx, f"DELETE FROM {{s}}payloads WHERE id IN ({marks})", chunk)
+        return len(ids)
 
 
 class _VersionProbe(Watcher):
