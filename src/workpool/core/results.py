@@ -33,10 +33,15 @@ class Canceled:
 Result = Success | Failed | Canceled
 
 
+def success_json(encoded: str) -> str:
+    """The stored form of ``Success`` whose return value is already the JSON ``encoded``."""
+    return '{"kind": "success", "return_value": ' + encoded + "}"
+
+
 def result_to_json(result: Result) -> str:
     match result:
         case Success(value):
-            return json.dumps({"kind": "success", "return_value": value})
+            return success_json(json.dumps(value))
         case Failed(error):
             return json.dumps({"kind": "failed", "error": error})
         case Canceled():

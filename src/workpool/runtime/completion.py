@@ -33,6 +33,7 @@ from workpool.core.results import (
     Success,
     result_from_json,
     result_to_json,
+    success_json,
 )
 from workpool.observability import events
 from workpool.runtime.registry import Registry
@@ -127,10 +128,10 @@ class Changes:
 
 
 def _success_json(outcome: Succeeded) -> str:
-    """The stored result of a success: ``result_to_json`` without encoding the value twice."""
+    """The stored result of a success, without encoding the value a second time."""
     if outcome.encoded is None:
         return result_to_json(Success(outcome.value))
-    return '{"kind": "success", "return_value": ' + outcome.encoded + "}"
+    return success_json(outcome.encoded)
 
 
 class Tally:
@@ -149,14 +150,8 @@ class Tally:
         """Attempts ended: ``success``, ``failed``, ``canceled`` or ``retry``."""
         self.ended[kind] += count
 
-    def lag(self, seconds: float) -> None:
-        self.lag_count += 1
-        self.lag_sum += seconds
-        self.lag_max = max(self.lag_max, seconds)
-        self.hist[histogram.bucket(seconds)] += 1
-
     def lags(self, seconds: list[float]) -> None:
-        """``lag`` for many attempts at once."""
+        """The start lags of attempts that ended."""
         if not seconds:
             return
         self.lag_count += len(seconds)
@@ -217,7 +212,7 @@ class Completion:
         level = self.pool_level(work.pool)
         tally = changes.tally(work.pool)
         if work.started_at is not None:
-            tally.lag(max(work.started_at - work.due_at, 0.0))
+            tally.lags([max(work.started_at - work.due_at, 0.0)])
         # isinstance, not match: class patterns cost a few microseconds per item here.
         if isinstance(decision, RetryAt):
             changes.retried.append(Retrying(work, decision.due_at, decision.error))

@@ -87,9 +87,9 @@ class Maintenance:
         handlers = self._due("handlers", now, HANDLERS_EVERY_S)
         if rescue or handlers:
             # A read first: the write transactions (on SQLite, the write lock) are
-            # taken only when there is something to rescue or retry.
-            # Handler retries are looked for 5x as often as lost work, whose check reads
-            # every running row: ask only what is due.
+            # taken only when there is something to rescue or retry. It asks about
+            # lost work, which means reading every running row, only when a rescue is
+            # due: handler retries are looked for five times as often.
             lost, due = self.store.run(
                 lambda tx: self.store.maintenance_due(tx, pools, now, lost=rescue), readonly=True
             )

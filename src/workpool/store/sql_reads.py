@@ -19,6 +19,8 @@ ACTIVE_COLUMNS = (
     " {context_w}, w.cancel_requested, w.enqueued_at, w.due_at, w.result,"
     " w.handler_failures, w.lost_count, w.last_error, w.worker_id, w.started_at"
 )
+# A status needs no context: it may be big, and on SQLite it is another table.
+STATUS_COLUMNS = ACTIVE_COLUMNS.replace("{context_w}", "NULL")
 HIST_COLUMNS = tuple(
     f"lag_h{i}" for i in range(len(histogram.LAG_BOUNDS))
 )  # ids per IN (...) list: well under SQLite's variable limit
@@ -172,7 +174,7 @@ class SqlReads:
         for chunk in _chunks(ids):
             marks = ", ".join("?" * len(chunk))
             for row in self.q(
-                tx, f"SELECT {ACTIVE_COLUMNS} FROM {{s}}work w WHERE w.id IN ({marks})", chunk
+                tx, f"SELECT {STATUS_COLUMNS} FROM {{s}}work w WHERE w.id IN ({marks})", chunk
             ).fetchall():
                 found[row[0]] = StatusRow(active=active_row(row))
             for row in self.q(
