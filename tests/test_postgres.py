@@ -222,34 +222,3 @@ def test_user_transaction_after_idle_connections_were_cut(pg_app: Any, pg_url: s
         )
     with pg_app.transaction() as tx:  # begins on a live connection, not the dead one
         assert tx.execute("SELECT 1").fetchone() == (1,)
-
-
-def test_an_enqueue_retried_after_an_ambiguous_commit_writes_each_item_once(
-    pg_app: Any,
-) -> None:
-    """A first try inserts without a conflict check; the retry after a lost connection
-    must neither fail on the ids that try may have committed nor write them twice."""
-    from workpool.core.ids import new_work_ids
-    from workpool.store.base import NewWork
-
-    pg_app._migrate()
-    store = pg_app.store
-    now = time.time()
-    items = [
-        NewWork(i, "ambiguous", "action", "noop", "{}", None, None, None, None, now, now)
-        for i in new_work_ids(5)
-    ]
-    store.run(lambda tx: store.insert_work(tx, items[:3]))  # the try whose COMMIT was lost
-    tries: list[bool] = []
-
-    def enqueue(tx: Any) -> None:
-        tries.append(tx.retrying)
-        if not tx.retrying:
-            raise psycopg.OperationalError("server closed the connection unexpectedly")
-        store.insert_work(tx, items)
-
-    store.run(enqueue)
-    assert tries == [False, True]
-    with pg_app.transaction() as tx:
-        ids = [r[0] for r in tx.execute(f"SELECT id FROM {store.table_prefix}work").fetchall()]
-    assert sorted(ids) == sorted(i.id for i in items)

@@ -299,3 +299,48 @@ def test_an_action_raising_a_base_exception_does_not_stall_the_pool(app, rec: Re
         worker.thread.join(20)
     assert final.result.kind == "failed"
     assert sorted(rec.values("i")) == [0, 1, 2]
+
+
+def test_an_enqueue_retried_after_an_ambiguous_commit_writes_each_item_once(app, store_url):
+    """A retry of an enqueue whose COMMIT was lost with its connection must neither fail
+    on the ids the first try may have committed nor write them twice (PostgreSQL's
+    first try inserts without a conflict check: only ``Tx.retrying`` adds it)."""
+    import sqlite3
+
+    import psycopg
+
+    from workpool.core.ids import new_work_ids
+    from workpool.store.base import NewWork
+
+    app._migrate()
+    store = app.store
+    now = time.time()
+    items = [
+        NewWork(i, "ambiguous", "action", "noop", "{}", None, None, None, None, now, now)
+        for i in new_work_ids(5)
+    ]
+    store.run(lambda tx: store.insert_work(tx, items[:3]))  # the try whose COMMIT was lost
+    lost: Exception = (
+        sqlite3.OperationalError("database is locked")
+        if store_url.startswith("sqlite")
+        else psycopg.OperationalError("server closed the connection unexpectedly")
+    )
+    tries: list[bool] = []
+
+    def enqueue(tx: workpool.Tx) -> None:
+        tries.append(tx.retrying)
+        if not tx.retrying:
+            raise lost
+        store.insert_work(tx, items)
+
+    store.run(enqueue)
+    assert tries == [False, True]
+    with app.transaction() as tx:
+        ids = [
+            r[0]
+            for r in tx.execute(
+                f"SELECT id FROM {getattr(store, 'table_prefix', '')}work"
+            ).fetchall()
+        ]
+    assert sorted(ids) == sorted(i.id for i in items)
+    assert [app.inspect(i.id).args for i in items] == [{}] * 5  # type: ignore[union-attr]
