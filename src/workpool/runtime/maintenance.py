@@ -151,7 +151,11 @@ class Maintenance:
         no lease expiry would ever free them.
         """
         worker = self.worker
-        rows = self.store.run(lambda tx: self.store.running_of(tx, worker.info.id), readonly=True)
+        # Every pool this worker may have claimed from: served() grows, never shrinks.
+        pools = worker.served()
+        rows = self.store.run(
+            lambda tx: self.store.running_of(tx, worker.info.id, pools), readonly=True
+        )
         known = worker.inflight_keys()
         orphans = [
             wid

@@ -357,8 +357,11 @@ class Store(abc.ABC):
         """
 
     @abc.abstractmethod
-    def running_of(self, tx: Tx, worker_id: str) -> list[tuple[str, int, float]]:
-        """(id, attempt, started_at) of every running attempt claimed by ``worker_id``."""
+    def running_of(
+        self, tx: Tx, worker_id: str, pools: Sequence[str]
+    ) -> list[tuple[str, int, float]]:
+        """(id, attempt, started_at) of every running attempt of ``pools`` claimed by
+        ``worker_id``: the pools let it read the running rows only, not the backlog."""
 
     @abc.abstractmethod
     def flag_cancel(self, tx: Tx, work: ActiveWork) -> bool:

@@ -413,11 +413,19 @@ class SqlStore(SqlReads, Store):
         ).fetchone()
         return bool(row[0]), bool(row[1])
 
-    def running_of(self, tx: Tx, worker_id: str) -> list[tuple[str, int, float]]:
+    def running_of(
+        self, tx: Tx, worker_id: str, pools: Sequence[str]
+    ) -> list[tuple[str, int, float]]:
+        names = storable(pools)
+        if not names:
+            return []
+        # The pools put the (pool, state) index to use: without them this read scanned
+        # the whole table, 83 ms at a million pending rows, every two seconds.
         rows = self.q(
             tx,
-            "SELECT id, attempt, started_at FROM {s}work WHERE state = 'running' AND worker_id = ?",
-            (worker_id,),
+            "SELECT id, attempt, started_at FROM {s}work WHERE pool IN"
+            f" ({', '.join('?' * len(names))}) AND state = 'running' AND worker_id = ?",
+            (*names, worker_id),
         ).fetchall()
         return [(r[0], int(r[1]), float(r[2])) for r in rows]
 
