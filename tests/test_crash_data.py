@@ -217,7 +217,7 @@ def test_a_live_workers_claim_it_never_heard_of_is_adopted_and_runs_once(app):
         store = app.store
         with app.transaction() as tx:  # the lost claim: due long ago, claimed by that worker
             tx.execute(store._sql("UPDATE {s}work SET due_at = ? WHERE id = ?"), (past, wid))
-            claimed = store.claim(tx, "orphans", 1, 10, worker.info.id, past)
+            claimed = store.claim(tx, "orphans", 1, worker.info.id, past)
         assert [c.id for c in claimed] == [wid]
         wait_for(lambda: pool.status(wid).state == "finished", timeout=20)
     assert pool.status(wid) == workpool.Finished(workpool.Success("ran"))

@@ -1286,7 +1286,7 @@ def test_a_retry_policy_with_a_huge_base_retries_as_promised(
     for attempt in (1, 2, 3):
         if attempt == 3:  # lost in the same rescue batch as the third attempt
             other = pool.enqueue_action(flaky, retry=False)
-        claimed = store.run(lambda tx: store.claim(tx, "huge", 10, 10, "ghost", NOW))
+        claimed = store.run(lambda tx: store.claim(tx, "huge", 10, "ghost", NOW))
         assert wid in [c.id for c in claimed], attempt
         try:
             store.run(rescue)

@@ -462,7 +462,7 @@ class WorkModel(RuleBasedStateMachine):
         def body(tx: workpool.Tx) -> list[Any]:
             config = store.load_pool(tx, POOL)
             assert config is not None and config.max_parallelism == self.limit
-            return store.claim(tx, POOL, limit, config.max_parallelism, worker, now)
+            return store.claim(tx, POOL, limit, worker, now)
 
         claimed = store.run(body)
         running = len(self.of_state("running"))
@@ -1004,7 +1004,7 @@ def test_store_writes_on_a_finished_row_change_nothing(app, op: str) -> None:
     pool = app.pool("cas", max_parallelism=1)
     wid = pool.enqueue_action("act")
     store = app.store
-    claimed = store.run(lambda tx: store.claim(tx, "cas", 1, 1, "w", app.clock()))
+    claimed = store.run(lambda tx: store.claim(tx, "cas", 1, "w", app.clock()))
     assert [c.id for c in claimed] == [wid]
     snapshot = store.run(lambda tx: store.load_for_update(tx, wid))
     assert snapshot is not None

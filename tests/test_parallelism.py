@@ -297,7 +297,7 @@ def test_claimable_is_false_only_when_a_claim_would_get_nothing(app):
     assert claimable(["full"]) and claimable(None)
     assert not claimable(["later"]), "work due in an hour is not claimable now"
     assert not claimable(["nobody"]) and not claimable([])
-    got = store.run(lambda tx: store.claim(tx, "full", 10, 1, "w", now + 1))
+    got = store.run(lambda tx: store.claim(tx, "full", 10, "w", now + 1))
     assert len(got) == 1
     assert not claimable(["full"]), "the pool is at its limit"
     full.configure(max_parallelism=2)

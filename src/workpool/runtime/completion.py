@@ -108,23 +108,38 @@ class Changes:
         """Pools that get pending (retry) or handler work in this transaction."""
         return {r.work.pool for r in self.retried} | {h.work.pool for h in self.handed}
 
-    def flush(self, store: Store, tx: Tx, worker_id: str, now: float, *, wake: bool = True) -> None:
+    def flush(
+        self,
+        store: Store,
+        tx: Tx,
+        worker_id: str,
+        now: float,
+        *,
+        wake: bool = True,
+        rows: bool = True,
+    ) -> None:
         """Write the gathered changes; ``wake=False``: the caller notifies (see the
-        completer, which first claims for the freed slots itself)."""
+        completer, which first claims for the freed slots itself); ``rows=False``:
+        the caller has written the rows with ``write_rows``."""
         if wake:
             # Freed slots, retries and handler work concern the other workers too:
             # wake them at commit (PostgreSQL NOTIFY; SQLite workers see any commit).
             woken = set(self.freed()) | self.requeued()
             if woken:
                 store.notify(tx, sorted(woken))
-        store.finish_many(tx, self.finished, now)
-        store.retry_many(tx, self.retried)
-        store.hand_many(tx, self.handed)
+        if rows:
+            self.write_rows(store, tx, now)
         bucket = int(now // 60)
         for pool, tally in self.tallies.items():
             store.add_counters(tx, pool, worker_id, bucket, tally.counters())
         self.finished, self.retried, self.handed = [], [], []
         self.tallies, self.touched, self.direct = {}, set(), {}
+
+    def write_rows(self, store: Store, tx: Tx, now: float) -> None:
+        """The gathered state changes (finishes, retries, handler hand-offs)."""
+        store.finish_many(tx, self.finished, now)
+        store.retry_many(tx, self.retried)
+        store.hand_many(tx, self.handed)
 
 
 def _success_json(outcome: Succeeded) -> str:
@@ -244,16 +259,26 @@ class Completion:
         batch: Sequence[tuple[ClaimedWork, Succeeded, float]],
         now: float,
         changes: Changes,
-    ) -> None:
+    ) -> Callable[[], None]:
         """Actions without on_complete that returned a value, with their durations.
 
         Whatever the row holds (retry policy, cancel flag), success finishes the
         work, so it is finished by a compare-and-set on (state, attempt) without
-        reading the rows first.
+        reading the rows first. The writes are sent now; calling the result reads
+        which ones took and counts them in ``changes`` (inside ``Store.pipeline``,
+        that read shares a round trip with later statements).
         """
         # Sorted: rows are locked in one global order, as everywhere else.
         items = sorted((w.id, w.attempt, _success_json(o)) for w, o, _ in batch)
-        done = set(self.store.finish_succeeded(tx, items, now))
+        finished = self.store.finish_succeeded(tx, items, now)
+        return lambda: self._count_succeeded(batch, set(finished()), changes)
+
+    def _count_succeeded(
+        self,
+        batch: Sequence[tuple[ClaimedWork, Succeeded, float]],
+        done: set[str],
+        changes: Changes,
+    ) -> None:
         # This runs per attempt: group by pool so that the tally and the log level
         # are looked up once per pool, not once per attempt.
         by_pool: dict[str, list[tuple[ClaimedWork, float]]] = {}

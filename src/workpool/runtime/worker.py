@@ -173,18 +173,19 @@ class Worker:
         free = self._reserve()
         if free <= 0:
             return IDLE_POLL_S  # a finishing attempt wakes us
+        claimed: list[ClaimedWork] = []
+        more = False
         try:
-            claimed = []
             # After a claim that found nothing, look before taking the store's write
             # lock: a worker whose pools are full must not make the busy ones wait.
             look = self._dry and self.store.look_before_claim
             if not look or self.store.run(self._claimable, readonly=True):
-                claimed = self.store.run(partial(self._claim_in, free=free))
+                claimed, more = self.store.run(partial(self._claim_in, free=free))
                 self._start_all(claimed)
         finally:
             self._unreserve(free)
         self._dry = not claimed
-        if claimed:
+        if claimed or more:
             return 0.0
         if self.options.until_idle and self._idle():
             return None
@@ -238,16 +239,31 @@ class Worker:
             assert self.executor is not None
             self.executor.submit_async(coros)
 
-    def _claim_in(self, tx: Tx, *, free: int) -> list[ClaimedWork]:
-        """Claim up to ``free`` attempts in ``tx``; they may start once it commits."""
+    def _claim_in(self, tx: Tx, *, free: int) -> tuple[list[ClaimedWork], bool]:
+        """Claim up to ``free`` attempts in ``tx``; they may start once it commits.
+
+        Also whether more may be claimable now: a pool gave all that was asked of it
+        (the batch cap, not its limit or its due work, stopped the claim).
+        """
         if free <= 0:
-            return []
-        self.configs = {c.name: c for c in self.store.load_pools(tx)}
-        # Pool claim locks are taken in one global (sorted) order, so two workers
-        # serving the same pools can never deadlock on them.
-        served = sorted(p for p in self.served() if self.configs.get(p, _PAUSED).max_parallelism)
-        if not served:
-            return []
+            return [], False
+        # The configs are read in the claims' round trip, so which pools to claim from
+        # comes from the previous read. That is safe: each claim reads its pool's
+        # limit itself, under the claim lock. A pool that this read shows newly
+        # claimable (created, resumed) is claimed from at once: ``more``.
+        with self.store.pipeline(tx):
+            configs = self.store.load_pools_later(tx)
+            served = self._active_pools()
+            claimed, more = self._claim_from(tx, served, free) if served else ([], False)
+            self.configs = {c.name: c for c in configs()}
+        return claimed, more or self._active_pools() != served
+
+    def _active_pools(self) -> list[str]:
+        """The served pools that are not paused, sorted: pool claim locks are taken in
+        this one global order, so two workers can never deadlock on them."""
+        return sorted(p for p in self.served() if self.configs.get(p, _PAUSED).max_parallelism)
+
+    def _claim_from(self, tx: Tx, served: list[str], free: int) -> tuple[list[ClaimedWork], bool]:
         now = self.clock()
         claimed: list[ClaimedWork] = []
         share = max(1, free // len(served))
@@ -256,20 +272,19 @@ class Worker:
             room = min(free - len(claimed), share, CLAIM_BATCH)
             if room <= 0:
                 break
-            got = self.store.claim(
-                tx, name, room, self.configs[name].max_parallelism, self.info.id, now
-            )
+            got = self.store.claim(tx, name, room, self.info.id, now)
             claimed += got
             if len(got) == room:
                 hungry.append(name)
+        full = bool(hungry)  # some pool's last claim got all it asked for
         for name in hungry:  # ... then what is left to those with more due (locks held)
             room = min(free - len(claimed), CLAIM_BATCH)
             if room <= 0:
                 break
-            claimed += self.store.claim(
-                tx, name, room, self.configs[name].max_parallelism, self.info.id, now
-            )
-        return claimed
+            got = self.store.claim(tx, name, room, self.info.id, now)
+            claimed += got
+            full = len(got) == room
+        return claimed, full and len(claimed) < free
 
     def _sleep_time(self) -> float:
         served = [p for p in self.served() if p in self.configs]
@@ -473,26 +488,36 @@ class Worker:
             # The slots these outcomes freed are refilled in the same transaction: one
             # commit instead of two, and no wake-up between a finish and the next start.
             free = 0 if self.stopping.is_set() else self._reserve()
+            look = True
             try:
-                self._record(batch, free)
+                look = self._record(batch, free)
             finally:
                 self._unreserve(free)
             with self._lock:
                 self._unrecorded.difference_update((w.id, w.attempt) for w, _, _ in batch)
-            self.wake.set()
+            # The dispatcher waited for this record. When the claim above took all the
+            # pools would give, it stays asleep: a claim of its own would find nothing
+            # and, on PostgreSQL, hold the claim lock that other workers' completers
+            # wait for. Whatever changes that (a freed slot, new work) wakes it.
+            if look or self.options.until_idle:
+                self.wake.set()
 
     def _record(
         self, batch: list[tuple[ClaimedWork, AttemptOutcome, float]], free: int = 0
-    ) -> None:
+    ) -> bool:
         """Record a batch of outcomes in one transaction, claiming up to ``free`` new
         attempts in it; on a non-transient error, one transaction per item (and no
-        claim), so a single bad item cannot block the others."""
+        claim), so a single bad item cannot block the others.
+
+        Returns whether the dispatcher should look for work: False only when the
+        claim took all that the served pools would give.
+        """
         delay = 0.05
         optimistic = True
         known: dict[str, tuple[str, str]] = {}
         while True:
             try:
-                claimed = self.store.run(
+                claimed, more = self.store.run(
                     partial(
                         self._record_in,
                         batch=batch,
@@ -502,7 +527,7 @@ class Worker:
                     )
                 )
                 self._start_all(claimed)
-                return
+                return more or free <= 0
             except HandlerRaised as raised:
                 # That transaction rolled back whole: redo it with a savepoint per
                 # handler, recording this failure without calling the handler again.
@@ -511,11 +536,11 @@ class Worker:
                 continue
             except Exception as exc:
                 if self.force.is_set():
-                    return  # leaving now: lease expiry hands these to a rescuer
+                    return True  # leaving now: lease expiry hands these to a rescuer
                 if len(batch) > 1 and not self.store.is_transient(exc):
                     for item in batch:
                         self._record([item])
-                    return
+                    return True
                 events.worker_event(
                     "complete_failed",
                     40,
@@ -538,7 +563,7 @@ class Worker:
         optimistic: bool = False,
         known: dict[str, tuple[str, str]] | None = None,
         free: int = 0,
-    ) -> list[ClaimedWork]:
+    ) -> tuple[list[ClaimedWork], bool]:
         now = self.clock()
         changes = Changes(optimistic=optimistic, known_failures=dict(known or {}))
         simple: list[tuple[ClaimedWork, Succeeded, float]] = []
@@ -548,19 +573,26 @@ class Worker:
                 simple.append((work, outcome, duration))
             else:
                 rest.append((work, outcome, duration))
-        if simple:
-            self.completion.finish_succeeded(tx, simple, now, changes)
-        rows = self.store.load_many_for_update(tx, [work.id for work, _, _ in rest])
-        for work, outcome, duration in rest:
-            current = rows.get(work.id)
-            if current is None or current.state != "running" or current.attempt != work.attempt:
-                continue  # stale completion: fenced by attempt number
-            self.completion.complete(tx, current, outcome, now, changes, duration)
-        freed, requeued = changes.freed(), changes.requeued()
+        if rest:  # on_complete (user code) may run here: outside any pipeline
+            rows = self.store.load_many_for_update(tx, [work.id for work, _, _ in rest])
+            for work, outcome, duration in rest:
+                current = rows.get(work.id)
+                if current is None or current.state != "running" or current.attempt != work.attempt:
+                    continue  # stale completion: fenced by attempt number
+                self.completion.complete(tx, current, outcome, now, changes, duration)
         with self.store.pipeline(tx):
-            changes.flush(self.store, tx, self.info.id, now, wake=False)
+            # On PostgreSQL all of this (with the BEGIN) is one round trip, read at the
+            # claim; the counters and notifications then go with the COMMIT.
+            count = None
+            if simple:
+                count = self.completion.finish_succeeded(tx, simple, now, changes)
+            changes.write_rows(self.store, tx, now)
             # After the finishes: the running count this claim reads has our freed slots.
-            claimed = self._claim_in(tx, free=free)
+            claimed, more = self._claim_in(tx, free=free)
+            if count is not None:
+                count()
+            freed, requeued = changes.freed(), changes.requeued()
+            changes.flush(self.store, tx, self.info.id, now, wake=False, rows=False)
             # Other workers need waking only for slots this claim did not refill (and
             # for retries): otherwise, under a limit, every finish would send them to
             # the claim lock for nothing.
@@ -568,7 +600,7 @@ class Worker:
             woken = requeued | {pool for pool, n in freed.items() if n > refilled[pool]}
             if woken:
                 self.store.notify(tx, sorted(woken))
-        return claimed
+        return claimed, more
 
     # --- lifecycle --------------------------------------------------------------------------
     def _install_signals(self) -> Callable[[], None]:

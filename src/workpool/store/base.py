@@ -24,17 +24,50 @@ class Tx:
     driver connection itself.
     """
 
-    def __init__(self, connection: Any, store: Store, *, readonly: bool = False) -> None:
-        self.connection = connection
+    def __init__(
+        self,
+        connection: Any,
+        store: Store,
+        *,
+        readonly: bool = False,
+        begin: str | None = None,
+        owned: bool = False,
+    ) -> None:
+        self.raw = connection
         self.store = store
         self.readonly = readonly
         self.after_commit: list[Callable[[], None]] = []
         # Set by ``Store.run`` when it runs its function again after an error: an
         # earlier try may have committed (a connection lost during COMMIT).
         self.retrying = False
+        # A BEGIN not sent yet (PostgreSQL): the store sends it with the first
+        # statements it pipelines, or on first use of ``connection``, so a
+        # transaction does not spend a round trip on BEGIN alone.
+        self.begin = begin
+        # Whether the store ends this transaction (not one adopted from the caller):
+        # only then can statements wait for the COMMIT (``defer``).
+        self.owned = owned
+        self.deferred: list[tuple[str, Sequence[Any]]] = []
+
+    @property
+    def connection(self) -> Any:
+        """The driver connection, in the transaction (any pending BEGIN is sent first)."""
+        if self.begin is not None:
+            self.raw.execute(self.begin)
+            self.begin = None
+        return self.raw
 
     def execute(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> Any:
         return self.connection.execute(sql, params)
+
+    def defer(self, sql: str, params: Sequence[Any] = ()) -> None:
+        """Run a statement whose result nobody reads just before COMMIT (PostgreSQL
+        sends them with the COMMIT in one round trip); at once if the caller owns
+        the transaction."""
+        if self.owned:
+            self.deferred.append((sql, params))
+        else:
+            self.execute(sql, params)
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,6 +308,12 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def load_pools(self, tx: Tx) -> list[PoolConfig]: ...
 
+    def load_pools_later(self, tx: Tx) -> Callable[[], list[PoolConfig]]:
+        """``load_pools``, answered when the result is called: inside ``pipeline``
+        the query shares the round trip of the next read."""
+        pools = self.load_pools(tx)
+        return lambda: pools
+
     @abc.abstractmethod
     def save_pool(self, tx: Tx, config: PoolConfig) -> None: ...
 
@@ -287,10 +326,9 @@ class Store(abc.ABC):
     def insert_work(self, tx: Tx, items: Sequence[NewWork]) -> None: ...
 
     @abc.abstractmethod
-    def claim(
-        self, tx: Tx, pool: str, limit: int, max_parallelism: int, worker_id: str, now: float
-    ) -> list[ClaimedWork]:
-        """Start up to ``limit`` due attempts without exceeding ``max_parallelism`` globally."""
+    def claim(self, tx: Tx, pool: str, limit: int, worker_id: str, now: float) -> list[ClaimedWork]:
+        """Start up to ``limit`` due attempts without exceeding the pool's stored
+        ``max_parallelism`` globally (read under the pool's claim lock)."""
 
     @abc.abstractmethod
     def load_for_update(self, tx: Tx, work_id: str) -> ActiveWork | None:
@@ -308,9 +346,10 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def finish_succeeded(
         self, tx: Tx, items: Sequence[tuple[str, int, str]], now: float
-    ) -> list[str]:
+    ) -> Callable[[], list[str]]:
         """running -> finished for (id, attempt, result JSON) without reading the rows
-        first; the ids that were still running that attempt (the others are stale)."""
+        first. Calling the result gives the ids that were still running that attempt
+        (the others are stale); inside ``pipeline`` the answer is read only then."""
 
     @abc.abstractmethod
     def retry_many(self, tx: Tx, items: Sequence[Retrying]) -> None:

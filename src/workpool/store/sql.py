@@ -56,8 +56,9 @@ class SqlStore(SqlReads, Store):
     def _lock_pool(self, tx: Tx, pool: str) -> None:
         """Serialise claimers of ``pool`` until ``tx`` ends (SQLite: the write lock does)."""
 
-    def _begin(self, readonly: bool) -> tuple[Any, Callable[[bool], None]]:
-        """Open a transaction: the connection and a function ending it (True = commit)."""
+    def _begin(self, readonly: bool) -> tuple[Any, str | None, Callable[[Tx, bool], None]]:
+        """Open a transaction: the connection, the BEGIN still to send (None: sent),
+        and a function ending it (True = commit, after ``Tx.deferred``)."""
         raise NotImplementedError
 
     def is_transient(self, exc: BaseException) -> bool:
@@ -96,21 +97,21 @@ class SqlStore(SqlReads, Store):
                 yield current
             return
         try:
-            connection, end = self._begin(readonly)
+            connection, begin, end = self._begin(readonly)
         except Exception as exc:
             raise (self._translate(exc) or exc) from exc
-        tx = Tx(connection, self, readonly=readonly)
+        tx = Tx(connection, self, readonly=readonly, begin=begin, owned=True)
         self._local.tx = tx
         try:
             yield tx
         except BaseException:
             self._local.tx = None
             with suppress(Exception):  # the original error matters more than the rollback's
-                end(False)
+                end(tx, False)
             raise
         self._local.tx = None
         try:
-            end(True)
+            end(tx, True)
         except Exception as exc:
             raise (self._translate(exc) or exc) from exc
         for hook in tx.after_commit:
@@ -143,16 +144,19 @@ class SqlStore(SqlReads, Store):
         depth = getattr(self._local, "depth", 0) + 1
         self._local.depth = depth
         name = f"wp_sp{depth}"
+        deferred = len(tx.deferred)  # what a rollback to the savepoint takes back
         tx.connection.execute(f"SAVEPOINT {name}")
         try:
             yield
         except BaseException:
             tx.connection.execute(f"ROLLBACK TO SAVEPOINT {name}")
             tx.connection.execute(f"RELEASE SAVEPOINT {name}")
+            del tx.deferred[deferred:]
             raise
         else:
             if not keep:
                 tx.connection.execute(f"ROLLBACK TO SAVEPOINT {name}")
+                del tx.deferred[deferred:]
             tx.connection.execute(f"RELEASE SAVEPOINT {name}")
         finally:
             self._local.depth = depth - 1
@@ -275,9 +279,7 @@ class SqlStore(SqlReads, Store):
         " ORDER BY due_at, id LIMIT %s%s"
     )
 
-    def claim(
-        self, tx: Tx, pool: str, limit: int, max_parallelism: int, worker_id: str, now: float
-    ) -> list[ClaimedWork]:
+    def claim(self, tx: Tx, pool: str, limit: int, worker_id: str, now: float) -> list[ClaimedWork]:
         return [
             ClaimedWork(
                 id=r[0],
@@ -291,13 +293,11 @@ class SqlStore(SqlReads, Store):
                 started_at=now,
                 has_on_complete=bool(r[6]),
             )
-            for r in self._claim_rows(tx, pool, limit, max_parallelism, worker_id, now)
+            for r in self._claim_rows(tx, pool, limit, worker_id, now)
         ]
 
-    def _claim_rows(
-        self, tx: Tx, pool: str, limit: int, max_parallelism: int, worker_id: str, now: float
-    ) -> list[Any]:
-        """Claim up to ``limit`` due rows of ``pool`` within ``max_parallelism``, as
+    def _claim_rows(self, tx: Tx, pool: str, limit: int, worker_id: str, now: float) -> list[Any]:
+        """Claim up to ``limit`` due rows of ``pool`` within its ``max_parallelism``, as
         (id, kind, fn_name, attempt, timeout, due_at, has_on_complete, args): ``_CLAIM``'s
         columns, then the args."""
         raise NotImplementedError

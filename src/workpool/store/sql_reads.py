@@ -89,6 +89,9 @@ class SqlReads:
     def q(self, tx: Tx, template: str, params: Sequence[Any] = ()) -> Any:
         raise NotImplementedError
 
+    def _sql(self, template: str) -> str:
+        raise NotImplementedError
+
     _SUMMED = (
         "completed",
         "succeeded",
@@ -197,16 +200,18 @@ class SqlReads:
         self, tx: Tx, pool: str, worker_id: str, bucket: int, counters: Counters
     ) -> None:
         # One row per (pool, worker, minute): completions of different workers never
-        # update the same row.
+        # update the same row. Nothing reads it back in the transaction, so it waits
+        # for the COMMIT (on PostgreSQL, in the COMMIT's round trip).
         columns = (*self._SUMMED, "lag_max")
         sums = ", ".join(f"{c} = {{s}}counters.{c} + excluded.{c}" for c in self._SUMMED)
-        self.q(
-            tx,
-            f"INSERT INTO {{s}}counters (pool, worker_id, bucket, {', '.join(columns)})"
-            f" VALUES (?, ?, ?, {', '.join('?' * len(columns))})"
-            f" ON CONFLICT (pool, worker_id, bucket) DO UPDATE SET {sums},"
-            " lag_max = CASE WHEN excluded.lag_max > {s}counters.lag_max"
-            " THEN excluded.lag_max ELSE {s}counters.lag_max END",
+        tx.defer(
+            self._sql(
+                f"INSERT INTO {{s}}counters (pool, worker_id, bucket, {', '.join(columns)})"
+                f" VALUES (?, ?, ?, {', '.join('?' * len(columns))})"
+                f" ON CONFLICT (pool, worker_id, bucket) DO UPDATE SET {sums},"
+                " lag_max = CASE WHEN excluded.lag_max > {s}counters.lag_max"
+                " THEN excluded.lag_max ELSE {s}counters.lag_max END"
+            ),
             (
                 pool,
                 worker_id,

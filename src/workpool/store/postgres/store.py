@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import random
 import re
+import select
 import threading
 import time
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
-from typing import Any, ClassVar, cast
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, ClassVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import psycopg
@@ -16,7 +17,7 @@ import psycopg_pool
 from psycopg import errors as pg_errors
 
 from workpool.core.errors import InvalidArgumentError, StoreUnavailableError
-from workpool.store.base import Finishing, Handing, Retrying, Tx, Watcher
+from workpool.store.base import Finishing, Handing, PoolConfig, Retrying, Tx, Watcher
 from workpool.store.postgres.migrations import MIGRATIONS
 from workpool.store.sql import SqlStore
 
@@ -128,30 +129,38 @@ class PostgresStore(SqlStore):
                     )
         return self._conn_pool
 
-    def _begin(self, readonly: bool) -> tuple[Any, Callable[[bool], None]]:
+    def _begin(self, readonly: bool) -> tuple[Any, str | None, Callable[[Tx, bool], None]]:
         pool = self._connections()
         # A pooled connection may have died while idle (server restart, a cut): the
-        # pool discards it on putconn, and nothing has run yet, so take another.
+        # pool replaces a closed one, and nothing has run yet, so take another.
         for tries_left in range(self.pool_size, -1, -1):
             conn = pool.getconn()
-            try:
-                conn.execute("BEGIN READ ONLY" if readonly else "BEGIN")
+            if _alive(conn):
                 break
-            except psycopg.OperationalError:
-                pool.putconn(conn)
-                if tries_left == 0:
-                    raise
-            except BaseException:
-                pool.putconn(conn)
-                raise
+            conn.close()
+            pool.putconn(conn)
+            if tries_left == 0:
+                raise psycopg.OperationalError("every pooled connection was closed by the server")
 
-        def end(commit: bool) -> None:
+        def end(tx: Tx, commit: bool) -> None:
             try:
-                conn.execute("COMMIT" if commit else "ROLLBACK")
+                if tx.begin is not None and not (commit and tx.deferred):
+                    return  # nothing was sent: nothing to end
+                if not commit:
+                    conn.execute("ROLLBACK")
+                    return
+                # The deferred statements and the COMMIT (and a BEGIN not sent yet)
+                # go in one round trip.
+                with conn.pipeline():
+                    if tx.begin is not None:
+                        conn.execute(tx.begin)
+                    for sql, params in tx.deferred:
+                        conn.execute(sql, params)
+                    conn.execute("COMMIT")
             finally:
                 pool.putconn(conn)
 
-        return conn, end
+        return conn, "BEGIN READ ONLY" if readonly else "BEGIN", end
 
     def is_transient(self, exc: BaseException) -> bool:
         return isinstance(exc, TRANSIENT)
@@ -209,8 +218,9 @@ class PostgresStore(SqlStore):
 
     # --- notifications ------------------------------------------------------------------
     def notify(self, tx: Tx, pools: Sequence[str]) -> None:
+        # Delivered at commit in any case: sent with the COMMIT.
         for pool in pools:
-            tx.execute("SELECT pg_notify(%s, %s)", (self.channel, pool))
+            tx.defer("SELECT pg_notify(%s, %s)", (self.channel, pool))
 
     def watcher(self) -> Watcher:
         return _Listener(self.conninfo, self.channel)
@@ -220,17 +230,23 @@ class PostgresStore(SqlStore):
         # Serialises claimers of one pool (not completers): see docs/design.md.
         tx.execute("SELECT pg_advisory_xact_lock(hashtext(%s), hashtext(%s))", (self.schema, pool))
 
-    def pipeline(self, tx: Tx) -> AbstractContextManager[Any]:
-        return cast("AbstractContextManager[Any]", tx.connection.pipeline())
+    @contextmanager
+    def pipeline(self, tx: Tx) -> Iterator[None]:
+        with tx.raw.pipeline():
+            if tx.begin is not None:  # sent with what follows, not in a round trip of its own
+                tx.raw.execute(tx.begin)
+                tx.begin = None
+            yield
 
-    def _claim_rows(
-        self, tx: Tx, pool: str, limit: int, max_parallelism: int, worker_id: str, now: float
-    ) -> list[Any]:
-        # The lock, then the count and the claim in one statement whose snapshot is
-        # taken after the lock is granted: exact as in SqliteStore, in one round trip.
+    def _claim_rows(self, tx: Tx, pool: str, limit: int, worker_id: str, now: float) -> list[Any]:
+        # The lock, then the limit, the count and the claim in one statement whose
+        # snapshot is taken after the lock is granted: exact as in SqliteStore, in one
+        # round trip. (LEAST and GREATEST skip NULLs: a missing pool row must be 0.)
+        s = self.table_prefix
         free = (
-            "GREATEST(LEAST(%s::int, %s::int - (SELECT count(*) FROM"
-            f" {self.table_prefix}work WHERE pool = %s AND state = 'running')), 0)"
+            f"GREATEST(LEAST(%s::int, coalesce((SELECT max_parallelism FROM {s}pools"
+            f" WHERE name = %s), 0) - (SELECT count(*) FROM {s}work WHERE pool = %s"
+            " AND state = 'running')), 0)"
         )
         # ANY(ARRAY(...)): with IN (...) and a limit the planner cannot read, it would
         # hash-join the picked ids against a scan of the whole table.
@@ -238,7 +254,7 @@ class PostgresStore(SqlStore):
         with self.pipeline(tx):
             self._lock_pool(tx, pool)
             sql = self._sql(self._CLAIM % f"id = ANY(ARRAY({ids}))" + ", args")
-            params = (worker_id, now, pool, now, limit, max_parallelism, pool)
+            params = (worker_id, now, pool, now, limit, pool, pool)
             return list(tx.execute(sql, params).fetchall())
 
     _INSERTED = (
@@ -330,9 +346,9 @@ class PostgresStore(SqlStore):
 
     def finish_succeeded(
         self, tx: Tx, items: Sequence[tuple[str, int, str]], now: float
-    ) -> list[str]:
+    ) -> Callable[[], list[str]]:
         if not items:
-            return []
+            return list
         s = self.table_prefix
         rows, params = unnest(
             [
@@ -352,8 +368,8 @@ class PostgresStore(SqlStore):
             " SELECT id, pool, fn_name, kind, args, on_complete, 'success', result, attempt,"
             " enqueued_at, %s, last_error FROM gone RETURNING id",
             [*params, now],
-        ).fetchall()
-        return [r[0] for r in found]
+        )
+        return lambda: [r[0] for r in found.fetchall()]
 
     def retry_many(self, tx: Tx, items: Sequence[Retrying]) -> None:
         if not items:
@@ -407,9 +423,28 @@ class PostgresStore(SqlStore):
         )
         return int(cur.rowcount)
 
+    def load_pools_later(self, tx: Tx) -> Callable[[], list[PoolConfig]]:
+        rows = self.q(tx, f"SELECT {self._POOL_COLUMNS} FROM {{s}}pools ORDER BY name")
+        return lambda: [self._pool(row) for row in rows.fetchall()]
+
     def _executemany(self, tx: Tx, sql: str, rows: list[tuple[Any, ...]]) -> None:
         with tx.connection.cursor() as cur:
             cur.executemany(sql, rows)
+
+
+def _alive(conn: psycopg.Connection[Any]) -> bool:
+    """False for a pooled connection that the server has closed while it was idle.
+
+    Transactions send their BEGIN with their first statements, so a dead connection
+    would only fail there, in the middle of a transaction. An idle connection gets
+    nothing from the server unless it is being closed (a restart, a terminated
+    backend): anything waiting on its socket, or the end of the stream, means dead.
+    This costs a poll, not a round trip.
+    """
+    if conn.closed or conn.broken:
+        return False
+    readable, _, _ = select.select([conn.fileno()], [], [], 0)
+    return not readable
 
 
 class _Listener(Watcher):

@@ -115,15 +115,15 @@ class SqliteStore(SqlStore):
         finally:
             conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
 
-    def _begin(self, readonly: bool) -> tuple[Any, Callable[[bool], None]]:
+    def _begin(self, readonly: bool) -> tuple[Any, str | None, Callable[[Tx, bool], None]]:
         conn = self._connection()
         if readonly:
             conn.execute("BEGIN")
 
-            def end_read(commit: bool) -> None:
+            def end_read(tx: Tx, commit: bool) -> None:
                 conn.execute("COMMIT" if commit else "ROLLBACK")
 
-            return conn, end_read
+            return conn, None, end_read
         # Threads of one process queue on this mutex instead of on SQLite's busy
         # handler, which sleeps in steps of up to 100 ms; other processes still meet
         # the file lock and its busy timeout.
@@ -137,8 +137,11 @@ class SqliteStore(SqlStore):
             self._writer.release()
             raise
 
-        def end(commit: bool) -> None:
+        def end(tx: Tx, commit: bool) -> None:
             try:
+                if commit:
+                    for sql, params in tx.deferred:
+                        conn.execute(sql, params)
                 conn.execute("COMMIT" if commit else "ROLLBACK")
             except BaseException:
                 if conn.in_transaction:  # a failed COMMIT leaves it open: retry from scratch
@@ -147,7 +150,7 @@ class SqliteStore(SqlStore):
             finally:
                 self._writer.release()
 
-        return conn, end
+        return conn, None, end
 
     def is_transient(self, exc: BaseException) -> bool:
         if not isinstance(exc, sqlite3.OperationalError):
@@ -212,16 +215,20 @@ class SqliteStore(SqlStore):
             [(r[0], r[1], r[2], r[3], r[5], r[7], r[8], r[9], r[10]) for r in rows],
         )
 
-    def _claim_rows(
-        self, tx: Tx, pool: str, limit: int, max_parallelism: int, worker_id: str, now: float
-    ) -> list[Any]:
+    def _claim_rows(self, tx: Tx, pool: str, limit: int, worker_id: str, now: float) -> list[Any]:
         """Args are "" when the payload row is missing: the worker fails such work as
         corrupt."""
         # Exact global limit: every claimer of this pool holds the pool lock from here
         # to commit, and only claims add running rows, so the count below cannot be
         # raised by anyone else before we commit (completions only lower it).
         self._lock_pool(tx, pool)
-        free = min(limit, max_parallelism - self.running_count(tx, pool))
+        (room,) = self.q(
+            tx,
+            "SELECT coalesce((SELECT max_parallelism FROM {s}pools WHERE name = ?), 0)"
+            " - (SELECT count(*) FROM {s}work WHERE pool = ? AND state = 'running')",
+            (pool, pool),
+        ).fetchone()
+        free = min(limit, room)
         if free <= 0:
             return []
         sql = self._CLAIM % f"id IN ({self._CLAIM_IDS % ('?', self.skip_locked)})"
@@ -267,7 +274,7 @@ class SqliteStore(SqlStore):
 
     def finish_succeeded(
         self, tx: Tx, items: Sequence[tuple[str, int, str]], now: float
-    ) -> list[str]:
+    ) -> Callable[[], list[str]]:
         # One read finds the rows still running the attempt; the writes then need no
         # check of their own, because a write transaction here holds SQLite's only
         # write lock from BEGIN IMMEDIATE to COMMIT.
@@ -295,7 +302,8 @@ class SqliteStore(SqlStore):
         self._executemany(
             tx, self._sql("DELETE FROM {s}work WHERE id = ?"), [(work_id,) for work_id, _ in live]
         )
-        return [work_id for work_id, _ in live]
+        done = [work_id for work_id, _ in live]
+        return lambda: done
 
     def prune(self, tx: Tx, pool: str, before: float, limit: int) -> int:
         ids = [
