@@ -542,3 +542,56 @@ def test_enqueue_from_inside_an_action(app, rec: Recorder):
     assert len(children) == 2
     assert sorted(rec.values("n")) == [1, 2]
     assert all(s.state == "finished" for s in pool.status_batch(children))
+
+
+def test_work_enqueued_in_an_open_transaction_is_visible_in_it(app, rec: Recorder):
+    """An enqueue that opens its own transaction may send its insert with the COMMIT
+    (PostgreSQL); one inside the caller's transaction, given or nested (a mutation),
+    must write at once, because what follows in that transaction may read it."""
+
+    @app.action(name="job")
+    def job() -> None:
+        rec.add()
+
+    pool = app.pool("visible")
+    seen: list[object] = []
+
+    @app.mutation(name="enqueue_and_look")
+    def enqueue_and_look(tx: workpool.Tx) -> None:
+        wid = pool.enqueue_action(job)  # no tx: joins this mutation's transaction
+        seen.append(pool.status(wid))
+
+    with app.transaction() as tx:
+        wid = pool.enqueue_action(job, tx=tx)
+        assert pool.status(wid, tx=tx).state == "pending"
+    alone = pool.enqueue_action(job)
+    assert pool.status(alone).state == "pending"
+    pool.enqueue_mutation(enqueue_and_look)
+    run_until_idle(app)
+    assert [getattr(s, "state", s) for s in seen] == ["pending"]
+    assert len(rec.calls) == 3
+
+
+def test_statements_deferred_to_commit_follow_their_transaction(app):
+    """``Tx.defer``: a deferred write lands with the COMMIT; one made in a savepoint
+    that rolls back, or in a transaction that fails, never lands."""
+    store = app.store
+    table = store._sql("{s}deferred_probe")
+    insert = store._sql(f"INSERT INTO {table} VALUES (?)")
+    with app.transaction() as tx:
+        tx.execute(f"CREATE TABLE {table} (x integer)")
+
+    def body(tx: workpool.Tx) -> None:
+        tx.defer(insert, (1,))
+        with pytest.raises(RuntimeError), store.transaction() as inner:  # a savepoint
+            inner.defer(insert, (2,))
+            raise RuntimeError("rolled back")
+        with store.transaction() as inner:
+            inner.defer(insert, (3,))
+
+    store.run(body)
+    with pytest.raises(RuntimeError), store.transaction() as tx:
+        tx.defer(insert, (4,))
+        raise RuntimeError("the whole transaction fails")
+    with app.transaction() as tx:
+        assert tx.execute(f"SELECT x FROM {table} ORDER BY x").fetchall() == [(1,), (3,)]

@@ -358,6 +358,9 @@ class Pool:
         now = self.app.clock()
         due_at = resolve_due_at(run_at, run_after, now)
         ids = new_work_ids(len(payloads))
+        # An enqueue in a transaction of its own may send its insert with the COMMIT;
+        # in the caller's transaction the rows must be there for what follows.
+        alone = tx is None
 
         def body(tx: Tx) -> PoolConfig:
             config = self._config(tx)
@@ -386,6 +389,7 @@ class Pool:
                     )
                     for work_id, payload in zip(ids, payloads, strict=True)
                 ],
+                at_commit=alone and tx.depth == 0,
             )
             self.app.store.notify(tx, [self.name])
             return config
@@ -438,10 +442,10 @@ class Pool:
             reason = "backoff" if work.attempt > 0 else "scheduled"
         else:
             if work.pool not in occupancy:
-                stored = self.app.store.load_pool(tx, work.pool)
+                count, stored = self.app.store.occupancy(tx, work.pool)
                 occupancy[work.pool] = (
-                    self.app.store.running_count(tx, work.pool),
-                    stored.max_parallelism if stored else PoolConfig(work.pool).max_parallelism,
+                    count,
+                    PoolConfig(work.pool).max_parallelism if stored is None else stored,
                 )
             running, limit = occupancy[work.pool]
             reason = "paused" if limit == 0 else "waiting_for_slot" if running >= limit else "due"

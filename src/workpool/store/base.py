@@ -48,6 +48,7 @@ class Tx:
         # only then can statements wait for the COMMIT (``defer``).
         self.owned = owned
         self.deferred: list[tuple[str, Sequence[Any]]] = []
+        self.depth = 0  # transactions nested in this one (savepoints) now open
 
     @property
     def connection(self) -> Any:
@@ -323,7 +324,9 @@ class Store(abc.ABC):
 
     # --- work -------------------------------------------------------------------------
     @abc.abstractmethod
-    def insert_work(self, tx: Tx, items: Sequence[NewWork]) -> None: ...
+    def insert_work(self, tx: Tx, items: Sequence[NewWork], *, at_commit: bool = False) -> None:
+        """Insert new pending work. ``at_commit``: nothing in ``tx`` reads these rows
+        back, so the store may send the insert with the COMMIT (``Tx.defer``)."""
 
     @abc.abstractmethod
     def claim(self, tx: Tx, pool: str, limit: int, worker_id: str, now: float) -> list[ClaimedWork]:
@@ -417,7 +420,8 @@ class Store(abc.ABC):
         """Delete up to ``limit`` finished rows of ``pool`` older than ``before``."""
 
     @abc.abstractmethod
-    def running_count(self, tx: Tx, pool: str) -> int: ...
+    def occupancy(self, tx: Tx, pool: str) -> tuple[int, int | None]:
+        """``pool``'s running attempts and stored max_parallelism (None: no config)."""
 
     # --- workers, counters, introspection ---------------------------------------------
     @abc.abstractmethod

@@ -93,8 +93,12 @@ class SqlStore(SqlReads, Store):
         if current is not None:
             # Nested use on one thread (an enqueue inside a mutation) joins the open
             # transaction; a second connection would wait on our own write lock.
-            with self.savepoint(current):
-                yield current
+            current.depth += 1
+            try:
+                with self.savepoint(current):
+                    yield current
+            finally:
+                current.depth -= 1
             return
         try:
             connection, begin, end = self._begin(readonly)
@@ -229,10 +233,10 @@ class SqlStore(SqlReads, Store):
         return bool(cur.rowcount == 1)
 
     # --- work ---------------------------------------------------------------------------------
-    def insert_work(self, tx: Tx, items: Sequence[NewWork]) -> None:
-        self._insert_rows(tx, self._work_rows(items))
+    def insert_work(self, tx: Tx, items: Sequence[NewWork], *, at_commit: bool = False) -> None:
+        self._insert_rows(tx, self._work_rows(items), at_commit)
 
-    def _insert_rows(self, tx: Tx, rows: list[tuple[Any, ...]]) -> None:
+    def _insert_rows(self, tx: Tx, rows: list[tuple[Any, ...]], at_commit: bool) -> None:
         """Insert new pending work: rows as ``_work_rows`` makes them (id, pool, kind,
         fn_name, args, on_complete, context, retry, timeout, due_at, enqueued_at)."""
         raise NotImplementedError
@@ -262,11 +266,14 @@ class SqlStore(SqlReads, Store):
     def _executemany(self, tx: Tx, sql: str, rows: list[tuple[Any, ...]]) -> None:
         tx.connection.executemany(sql, rows)
 
-    def running_count(self, tx: Tx, pool: str) -> int:
+    def occupancy(self, tx: Tx, pool: str) -> tuple[int, int | None]:
         row = self.q(
-            tx, "SELECT count(*) FROM {s}work WHERE pool = ? AND state = 'running'", (pool,)
+            tx,
+            "SELECT (SELECT count(*) FROM {s}work WHERE pool = ? AND state = 'running'),"
+            " (SELECT max_parallelism FROM {s}pools WHERE name = ?)",
+            (pool, pool),
         ).fetchone()
-        return int(row[0])
+        return int(row[0]), None if row[1] is None else int(row[1])
 
     # The claim: the next due pending rows of one pool, up to a limit, become running.
     _CLAIM = (

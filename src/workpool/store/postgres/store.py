@@ -162,6 +162,19 @@ class PostgresStore(SqlStore):
 
         return conn, "BEGIN READ ONLY" if readonly else "BEGIN", end
 
+    def _x(self, tx: Tx, sql: str, params: Sequence[Any] = ()) -> Any:
+        """Execute one of the store's statements; a BEGIN still pending goes with it,
+        in one round trip. (Not for user SQL: a pipeline takes one statement per
+        string.)"""
+        if tx.begin is None:
+            return tx.raw.execute(sql, params)
+        with self.pipeline(tx):
+            cur = tx.raw.execute(sql, params)
+        return cur
+
+    def q(self, tx: Tx, template: str, params: Sequence[Any] = ()) -> Any:
+        return self._x(tx, self._sql(template), params)
+
     def is_transient(self, exc: BaseException) -> bool:
         return isinstance(exc, TRANSIENT)
 
@@ -228,7 +241,7 @@ class PostgresStore(SqlStore):
     # --- dialect hooks ------------------------------------------------------------------
     def _lock_pool(self, tx: Tx, pool: str) -> None:
         # Serialises claimers of one pool (not completers): see docs/design.md.
-        tx.execute("SELECT pg_advisory_xact_lock(hashtext(%s), hashtext(%s))", (self.schema, pool))
+        self._x(tx, "SELECT pg_advisory_xact_lock(hashtext(%s), hashtext(%s))", (self.schema, pool))
 
     @contextmanager
     def pipeline(self, tx: Tx) -> Iterator[None]:
@@ -255,7 +268,7 @@ class PostgresStore(SqlStore):
             self._lock_pool(tx, pool)
             sql = self._sql(self._CLAIM % f"id = ANY(ARRAY({ids}))" + ", args")
             params = (worker_id, now, pool, now, limit, pool, pool)
-            return list(tx.execute(sql, params).fetchall())
+            return list(self._x(tx, sql, params).fetchall())
 
     _INSERTED = (
         ("id", "text"),
@@ -271,7 +284,7 @@ class PostgresStore(SqlStore):
         ("enqueued_at", "float8"),
     )
 
-    def _insert_rows(self, tx: Tx, rows: list[tuple[Any, ...]]) -> None:
+    def _insert_rows(self, tx: Tx, rows: list[tuple[Any, ...]], at_commit: bool) -> None:
         # One statement over arrays instead of one per row: a batch of 1,000 is one
         # round trip and one plan. Columns equal in every row (pool, function, times
         # of a batch) go as one value, not as an array of 1,000 copies.
@@ -307,7 +320,10 @@ class PostgresStore(SqlStore):
         pairs = list(zip(columns, shapes, strict=True))
         params = [c[0] for c, shape in pairs if shape is None]
         params += [shape[1] for _, shape in pairs if shape is not None]
-        tx.execute(sql, params)
+        if at_commit:
+            tx.defer(sql, params)  # with the COMMIT: one round trip less per enqueue
+        else:
+            self._x(tx, sql, params)
 
     # Array parameters go through array_param: as joined text where they can, else in
     # binary (%b); psycopg's text format escapes every JSON element with a regular
@@ -330,7 +346,8 @@ class PostgresStore(SqlStore):
                 ([f.handler_error for f in items], "text"),
             ]
         )
-        tx.execute(
+        self._x(
+            tx,
             f"WITH f AS (SELECT * FROM {rows}"
             " AS f(id, state, attempt, outcome, result, handler_error)),"
             f" gone AS (DELETE FROM {s}work w USING f WHERE w.id = f.id AND w.state = f.state"
@@ -357,7 +374,8 @@ class PostgresStore(SqlStore):
                 ([i[2] for i in items], "text"),
             ]
         )
-        found = tx.execute(
+        found = self._x(
+            tx,
             f"WITH f AS (SELECT * FROM {rows} AS f(id, attempt, result)),"
             f" gone AS (DELETE FROM {s}work w USING f WHERE w.id = f.id"
             " AND w.state = 'running' AND w.attempt = f.attempt RETURNING w.id, w.pool,"
@@ -383,7 +401,8 @@ class PostgresStore(SqlStore):
                 ([int(r.lost) for r in items], "int"),
             ]
         )
-        tx.execute(
+        self._x(
+            tx,
             f"UPDATE {self.table_prefix}work w SET state = 'pending', due_at = r.due_at,"
             " last_error = r.error, worker_id = NULL, lost_count = w.lost_count + r.lost"
             f" FROM {rows} AS r(id, attempt, due_at, error, lost)"
@@ -405,7 +424,8 @@ class PostgresStore(SqlStore):
                 ([h.error for h in items], "text"),
             ]
         )
-        tx.execute(
+        self._x(
+            tx,
             f"UPDATE {self.table_prefix}work w SET state = 'completing', result = h.result,"
             " due_at = h.due_at, handler_failures = h.failures, last_error = h.error,"
             f" worker_id = NULL FROM {rows}"
@@ -415,7 +435,8 @@ class PostgresStore(SqlStore):
         )
 
     def prune(self, tx: Tx, pool: str, before: float, limit: int) -> int:
-        cur = tx.execute(
+        cur = self._x(
+            tx,
             f"DELETE FROM {self.table_prefix}finished WHERE id IN (SELECT id FROM"
             f" {self.table_prefix}finished WHERE pool = %s AND finished_at < %s"
             " ORDER BY finished_at LIMIT %s)",

@@ -194,7 +194,8 @@ class SqliteStore(SqlStore):
         "{context_w}": "(SELECT p.context FROM {s}payloads p WHERE p.id = w.id)",
     }
 
-    def _insert_rows(self, tx: Tx, rows: list[tuple[Any, ...]]) -> None:
+    def _insert_rows(self, tx: Tx, rows: list[tuple[Any, ...]], at_commit: bool) -> None:
+        # Written at once even when they could wait: there is no round trip to save.
         # A retry after an ambiguous commit must not fail on ids it may have written.
         self._executemany(
             tx,
