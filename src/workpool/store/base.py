@@ -49,13 +49,13 @@ class Tx:
         self.owned = owned
         self.deferred: list[tuple[str, Sequence[Any]]] = []
         self.depth = 0  # transactions nested in this one (savepoints) now open
+        self.pipelined = False  # inside Store.pipeline
 
     @property
     def connection(self) -> Any:
         """The driver connection, in the transaction (any pending BEGIN is sent first)."""
         if self.begin is not None:
-            self.raw.execute(self.begin)
-            self.begin = None
+            self.store.send_begin(self)
         return self.raw
 
     def execute(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> Any:
@@ -281,6 +281,12 @@ class Store(abc.ABC):
 
         ``keep=False`` rolls its writes back on a normal exit too (queries).
         """
+
+    def send_begin(self, tx: Tx) -> None:
+        """Send ``tx``'s pending BEGIN (``Tx.begin``) on its own."""
+        assert tx.begin is not None
+        tx.raw.execute(tx.begin)
+        tx.begin = None
 
     def pipeline(self, tx: Tx) -> AbstractContextManager[Any]:
         """Send workpool's own statements without waiting for each answer.

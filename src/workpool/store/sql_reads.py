@@ -191,7 +191,7 @@ class SqlReads:
                     f" FROM {{s}}finished WHERE id IN ({marks})",
                     chunk,
                 )
-                active_rows, done_rows = active.fetchall(), done.fetchall()
+            active_rows, done_rows = active.fetchall(), done.fetchall()
             for row in active_rows:
                 found[row[0]] = StatusRow(active=active_row(row))
             for row in done_rows:

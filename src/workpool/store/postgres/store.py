@@ -129,20 +129,37 @@ class PostgresStore(SqlStore):
                     )
         return self._conn_pool
 
-    def _begin(self, readonly: bool) -> tuple[Any, str | None, Callable[[Tx, bool], None]]:
+    def _live_connection(self) -> psycopg.Connection[Any]:
         pool = self._connections()
         # A pooled connection may have died while idle (server restart, a cut): the
         # pool replaces a closed one, and nothing has run yet, so take another.
-        for tries_left in range(self.pool_size, -1, -1):
+        for _ in range(self.pool_size):
             conn = pool.getconn()
             if _alive(conn):
-                break
+                return conn
             conn.close()
             pool.putconn(conn)
-            if tries_left == 0:
-                raise psycopg.OperationalError("every pooled connection was closed by the server")
+        raise psycopg.OperationalError("every pooled connection was closed by the server")
+
+    def send_begin(self, tx: Tx) -> None:
+        # A connection whose end was still on its way when _alive() looked fails
+        # here, before anything ran in the transaction: take another, as _begin does.
+        for tries_left in range(self.pool_size, -1, -1):
+            try:
+                tx.raw.execute(tx.begin)
+                tx.begin = None
+                return
+            except psycopg.OperationalError:
+                if tries_left == 0 or not (tx.raw.closed or tx.raw.broken):
+                    raise
+                self._connections().putconn(tx.raw)
+                tx.raw = self._live_connection()
+
+    def _begin(self, readonly: bool) -> tuple[Any, str | None, Callable[[Tx, bool], None]]:
+        pool = self._connections()
 
         def end(tx: Tx, commit: bool) -> None:
+            conn = tx.raw  # send_begin may have replaced the first one
             try:
                 if tx.begin is not None and not (commit and tx.deferred):
                     return  # nothing was sent: nothing to end
@@ -160,7 +177,7 @@ class PostgresStore(SqlStore):
             finally:
                 pool.putconn(conn)
 
-        return conn, "BEGIN READ ONLY" if readonly else "BEGIN", end
+        return self._live_connection(), "BEGIN READ ONLY" if readonly else "BEGIN", end
 
     def _x(self, tx: Tx, sql: str, params: Sequence[Any] = ()) -> Any:
         """Execute one of the store's statements; a BEGIN still pending goes with it,
@@ -245,11 +262,20 @@ class PostgresStore(SqlStore):
 
     @contextmanager
     def pipeline(self, tx: Tx) -> Iterator[None]:
-        with tx.raw.pipeline():
-            if tx.begin is not None:  # sent with what follows, not in a round trip of its own
-                tx.raw.execute(tx.begin)
-                tx.begin = None
+        if tx.pipelined:
+            # psycopg syncs (a round trip) on entering and on leaving a nested
+            # pipeline: an inner block joins the outer one instead.
             yield
+            return
+        with tx.raw.pipeline():
+            tx.pipelined = True
+            try:
+                if tx.begin is not None:  # sent with what follows, not in a round trip alone
+                    tx.raw.execute(tx.begin)
+                    tx.begin = None
+                yield
+            finally:
+                tx.pipelined = False
 
     def _claim_rows(self, tx: Tx, pool: str, limit: int, worker_id: str, now: float) -> list[Any]:
         # The lock, then the limit, the count and the claim in one statement whose
