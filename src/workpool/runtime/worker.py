@@ -243,7 +243,8 @@ class Worker:
         """Claim up to ``free`` attempts in ``tx``; they may start once it commits.
 
         Also whether more may be claimable now: a pool gave all that was asked of it
-        (the batch cap, not its limit or its due work, stopped the claim).
+        (the batch cap, not its limit or its due work, stopped the claim), or the
+        configs read here show a pool to claim from that this claim skipped.
         """
         if free <= 0:
             return [], False
@@ -581,8 +582,8 @@ class Worker:
                     continue  # stale completion: fenced by attempt number
                 self.completion.complete(tx, current, outcome, now, changes, duration)
         with self.store.pipeline(tx):
-            # On PostgreSQL all of this (with the BEGIN) is one round trip, read at the
-            # claim; the counters and notifications then go with the COMMIT.
+            # On PostgreSQL all of this (with the BEGIN) is sent at once and read at
+            # the claim; the counters and notifications then go with the COMMIT.
             count = None
             if simple:
                 count = self.completion.finish_succeeded(tx, simple, now, changes)

@@ -63,8 +63,8 @@ class Tx:
 
     def defer(self, sql: str, params: Sequence[Any] = ()) -> None:
         """Run a statement whose result nobody reads just before COMMIT (PostgreSQL
-        sends them with the COMMIT in one round trip); at once if the caller owns
-        the transaction."""
+        sends them with the COMMIT in one round trip); at once in a transaction
+        adopted from the caller, whose COMMIT the store does not send."""
         if self.owned:
             self.deferred.append((sql, params))
         else:

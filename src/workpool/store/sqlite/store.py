@@ -121,6 +121,9 @@ class SqliteStore(SqlStore):
             conn.execute("BEGIN")
 
             def end_read(tx: Tx, commit: bool) -> None:
+                if commit:
+                    for sql, params in tx.deferred:
+                        conn.execute(sql, params)
                 conn.execute("COMMIT" if commit else "ROLLBACK")
 
             return conn, None, end_read
