@@ -306,6 +306,32 @@ def test_claimable_is_false_only_when_a_claim_would_get_nothing(app):
     assert not claimable(["full", "later"]) and not claimable(None)
 
 
+def test_a_claim_reads_the_stored_limit_under_its_lock(app):
+    """A claim takes its pool's max_parallelism from the store, not from the worker's
+    copy: a limit set a moment ago applies to the very next claim, and a pool with
+    no stored config (its row gone) claims nothing. PostgreSQL's LEAST and GREATEST
+    skip NULLs, so without the coalesce a missing row would mean no limit at all."""
+
+    @app.action(name="nap")
+    def nap() -> None:
+        return None
+
+    store = app.store
+    now = time.time() + 1
+    pool = app.pool("stored", max_parallelism=1)
+    pool.enqueue_action_batch(nap, [{} for _ in range(6)])
+
+    def claim(limit: int) -> int:
+        return len(store.run(lambda tx: store.claim(tx, "stored", limit, "w", now)))
+
+    assert claim(10) == 1
+    pool.configure(max_parallelism=3)
+    assert claim(10) == 2
+    with app.transaction() as tx:
+        tx.execute(store._sql("DELETE FROM {s}pools WHERE name = ?"), ("stored",))
+    assert claim(10) == 0
+
+
 @pytest.mark.parametrize("blocked_by", ["pause", "limit"])
 def test_due_work_that_cannot_start_does_not_keep_the_worker_busy(app, blocked_by):
     """Due work held back by a pause or a full limit waits for a wake-up: the worker
