@@ -121,10 +121,7 @@ class SqliteStore(SqlStore):
             conn.execute("BEGIN")
 
             def end_read(tx: Tx, commit: bool) -> None:
-                if commit:
-                    for sql, params in tx.deferred:
-                        conn.execute(sql, params)
-                conn.execute("COMMIT" if commit else "ROLLBACK")
+                _end(conn, tx, commit)
 
             return conn, None, end_read
         # Threads of one process queue on this mutex instead of on SQLite's busy
@@ -142,10 +139,7 @@ class SqliteStore(SqlStore):
 
         def end(tx: Tx, commit: bool) -> None:
             try:
-                if commit:
-                    for sql, params in tx.deferred:
-                        conn.execute(sql, params)
-                conn.execute("COMMIT" if commit else "ROLLBACK")
+                _end(conn, tx, commit)
             except BaseException:
                 if conn.in_transaction:  # a failed COMMIT leaves it open: retry from scratch
                     conn.execute("ROLLBACK")
@@ -324,6 +318,14 @@ class SqliteStore(SqlStore):
             self.q(tx, f"DELETE FROM {{s}}finished WHERE id IN ({marks})", chunk)
             self.q(tx, f"DELETE FROM {{s}}payloads WHERE id IN ({marks})", chunk)
         return len(ids)
+
+
+def _end(conn: sqlite3.Connection, tx: Tx, commit: bool) -> None:
+    """COMMIT after the deferred statements (no round trips to save here), or ROLLBACK."""
+    if commit:
+        for sql, params in tx.deferred:
+            conn.execute(sql, params)
+    conn.execute("COMMIT" if commit else "ROLLBACK")
 
 
 class _VersionProbe(Watcher):
