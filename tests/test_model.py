@@ -322,6 +322,12 @@ class WorkModel(RuleBasedStateMachine):
         store, now = self.store, self.now
 
         def body(tx: workpool.Tx, optimistic: bool, known: dict[str, Any]) -> bool:
+            if not optimistic:
+                return attempt_body(tx, optimistic, known)
+            with store.pipeline(tx):  # as the worker's optimistic pass
+                return attempt_body(tx, optimistic, known)
+
+        def attempt_body(tx: workpool.Tx, optimistic: bool, known: dict[str, Any]) -> bool:
             if kind == "action":
                 current = store.load_many_for_update(tx, [wid]).get(wid)
             else:
@@ -343,7 +349,8 @@ class WorkModel(RuleBasedStateMachine):
                 assert optimistic, "the second pass runs handlers in savepoints"
                 COVERAGE["optimistic_redo"] += 1
                 optimistic = False
-                known[raised.work_id] = (raised.error, raised.trace)
+                if raised.work_id is not None:
+                    known[raised.work_id] = (raised.error, raised.trace)
 
     # --- setup ----------------------------------------------------------------------------
     @initialize(

@@ -595,3 +595,54 @@ def test_statements_deferred_to_commit_follow_their_transaction(app):
         raise RuntimeError("the whole transaction fails")
     with app.transaction() as tx:
         assert tx.execute(f"SELECT x FROM {table} ORDER BY x").fetchall() == [(1,), (3,)]
+
+
+def test_handlers_of_one_batch_see_their_rowcounts_and_a_failing_one_is_found(
+    app, rec: Recorder, user_table
+):
+    """The completer's first pass runs a batch's handlers without savepoints, on
+    PostgreSQL in one pipeline: a handler must still read its own rowcount, and a
+    handler whose statement fails (its error surfacing at a later read) must be the
+    one recorded as failed, while the others commit once."""
+    from workpool.core.decide import Succeeded
+    from workpool.runtime.worker import Worker, WorkerOptions
+
+    p, table, prefix = user_table.p, user_table.name, app.store.table_prefix
+
+    @app.action(name="job")
+    def job() -> None:
+        pass
+
+    @app.mutation(name="count")
+    def count(tx, work_id, context, result):
+        if context["bad"]:
+            user_table.insert(tx, None)  # violates NOT NULL; the result is never read
+            return
+        user_table.insert(tx, work_id, "new")
+        cur = tx.execute(f"UPDATE {table} SET v = 'counted' WHERE k = {p}", (work_id,))
+        rec.add(work_id=work_id, rowcount=cur.rowcount)
+
+    pool = app.pool("batch", max_parallelism=10)
+    ids = [pool.enqueue_action(job, on_complete=count, context={"bad": i == 2}) for i in range(6)]
+    bad = ids[2]
+    worker = Worker(app.store, app.registry, WorkerOptions(pools=["batch"]), clock=app.clock)
+    now = app.clock()
+    claimed = app.store.run(lambda tx: app.store.claim(tx, "batch", 10, worker.info.id, now))
+    assert len(claimed) == 6
+    worker._record([(work, Succeeded(None), 0.0) for work in claimed])  # one batch
+
+    good = sorted(wid for wid in ids if wid != bad)
+    # A pass that failed ran some handlers before it rolled back: calls may repeat,
+    # committed effects may not.
+    assert {c["work_id"] for c in rec.calls} == set(good)
+    assert {c["rowcount"] for c in rec.calls} == {1}
+    assert user_table.rows() == [(wid, "counted") for wid in good]
+    for wid in good:
+        assert pool.status(wid) == workpool.Finished(workpool.Success(None)), wid
+    assert pool.status(bad).state == "running", "the failed handler waits for its retry"
+    with app.transaction() as tx:
+        failures, error = tx.execute(
+            f"SELECT handler_failures, last_error FROM {prefix}work WHERE id = {p}", (bad,)
+        ).fetchone()
+    assert failures == 1
+    assert "null" in error.lower()

@@ -56,9 +56,13 @@ CORRUPT_CONTEXT = "stored context is corrupt"
 
 
 class HandlerRaised(Exception):
-    """An on_complete raised during an optimistic batch: redo it with savepoints."""
+    """An on_complete raised during an optimistic batch: redo it with savepoints.
 
-    def __init__(self, work_id: str, error: str, trace: str) -> None:
+    ``work_id`` is None when the error cannot be pinned on one handler: a database
+    error inside a pipeline may belong to an earlier statement than the one read.
+    """
+
+    def __init__(self, work_id: str | None, error: str, trace: str) -> None:
         super().__init__(error)
         self.work_id = work_id
         self.error = error
@@ -380,9 +384,23 @@ class Completion:
             if self.store.is_transient(exc):
                 raise  # the whole transaction is retried
             if optimistic:
-                raise HandlerRaised(work.id, describe_error(exc), traceback.format_exc()) from exc
+                # The redo runs each handler in its own savepoint, so it finds out
+                # whose a pipelined database error was.
+                blamed = None if tx.pipelined and self.from_database(exc) else work.id
+                raise HandlerRaised(blamed, describe_error(exc), traceback.format_exc()) from exc
             return describe_error(exc), traceback.format_exc()
         return None
+
+    def from_database(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is, or was raised while handling, a database error."""
+        seen: set[int] = set()
+        current: BaseException | None = exc
+        while current is not None and id(current) not in seen:
+            if self.store.is_database_error(current):
+                return True
+            seen.add(id(current))
+            current = current.__cause__ or current.__context__
+        return False
 
     def retry_handler(self, tx: Tx, work: ActiveWork, now: float, changes: Changes) -> bool:
         """A later try of the on_complete of ``completing`` work."""

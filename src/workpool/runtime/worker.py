@@ -533,7 +533,8 @@ class Worker:
                 # That transaction rolled back whole: redo it with a savepoint per
                 # handler, recording this failure without calling the handler again.
                 optimistic = False
-                known[raised.work_id] = (raised.error, raised.trace)
+                if raised.work_id is not None:
+                    known[raised.work_id] = (raised.error, raised.trace)
                 continue
             except Exception as exc:
                 if self.force.is_set():
@@ -565,6 +566,31 @@ class Worker:
         known: dict[str, tuple[str, str]] | None = None,
         free: int = 0,
     ) -> tuple[list[ClaimedWork], bool]:
+        if not (optimistic and any(work.has_on_complete for work, _, _ in batch)):
+            return self._record_body(tx, batch, optimistic, known, free)
+        # The optimistic pass runs the on_complete handlers in the pipeline with the
+        # store's own statements: on PostgreSQL their statements then cost one round
+        # trip in all rather than one each. A database error there may surface at a
+        # later read than its statement's, so any one sends the batch to the redo,
+        # which runs each handler in its own savepoint, outside any pipeline.
+        try:
+            with self.store.pipeline(tx):
+                return self._record_body(tx, batch, optimistic, known, free)
+        except HandlerRaised:
+            raise
+        except Exception as exc:
+            if self.store.is_transient(exc) or not self.completion.from_database(exc):
+                raise
+            raise HandlerRaised(None, describe_error(exc), "") from exc
+
+    def _record_body(
+        self,
+        tx: Tx,
+        batch: list[tuple[ClaimedWork, AttemptOutcome, float]],
+        optimistic: bool,
+        known: dict[str, tuple[str, str]] | None,
+        free: int = 0,
+    ) -> tuple[list[ClaimedWork], bool]:
         now = self.clock()
         changes = Changes(optimistic=optimistic, known_failures=dict(known or {}))
         simple: list[tuple[ClaimedWork, Succeeded, float]] = []
@@ -574,7 +600,7 @@ class Worker:
                 simple.append((work, outcome, duration))
             else:
                 rest.append((work, outcome, duration))
-        if rest:  # on_complete (user code) may run here: outside any pipeline
+        if rest:  # on_complete (user code) may run here: in a pipeline only if optimistic
             rows = self.store.load_many_for_update(tx, [work.id for work, _, _ in rest])
             for work, outcome, duration in rest:
                 current = rows.get(work.id)

@@ -271,6 +271,11 @@ class Store(abc.ABC):
     def is_transient(self, exc: BaseException) -> bool:
         """A conflict that retrying the whole transaction resolves (busy, serialization)."""
 
+    def is_database_error(self, exc: BaseException) -> bool:
+        """An error the database reported (inside ``pipeline`` it may belong to an
+        earlier statement than the one whose result was being read)."""
+        return False
+
     @abc.abstractmethod
     def run(self, fn: Callable[[Tx], T], *, readonly: bool = False) -> T:
         """Run ``fn`` in a transaction, retrying the whole of it on transient conflicts."""
@@ -289,10 +294,13 @@ class Store(abc.ABC):
         tx.begin = None
 
     def pipeline(self, tx: Tx) -> AbstractContextManager[Any]:
-        """Send workpool's own statements without waiting for each answer.
+        """Send statements without waiting for each answer.
 
-        Inside, a round trip happens only when a result is read, and errors may
-        surface there rather than at their statement: never wrap user code in it.
+        Inside, a round trip happens only when a result is read, and a statement's
+        error may surface there, at a later statement, rather than at its own. User
+        code runs inside only where a database error anywhere in the block is
+        answered by redoing the whole transaction without it (the completer's
+        optimistic pass over on_complete handlers).
         """
         return nullcontext()
 

@@ -82,6 +82,32 @@ def split_url(url: str) -> tuple[str, dict[str, str]]:
     return urlunsplit((scheme, parts.netloc, parts.path, urlencode(theirs), "")), ours
 
 
+class PipelineCursor(psycopg.Cursor[Any]):
+    """A cursor whose ``rowcount``, ``statusmessage`` and ``description`` are right
+    inside a pipeline too.
+
+    psycopg fetches a pipelined result when rows are read but leaves these at
+    their empty values until then; on_complete handlers run in a pipeline (see
+    ``Store.pipeline``), and one that checks how many rows its UPDATE changed must
+    see the real count.
+    """
+
+    @property
+    def rowcount(self) -> int:
+        self._fetch_pipeline()
+        return super().rowcount
+
+    @property
+    def statusmessage(self) -> str | None:
+        self._fetch_pipeline()
+        return super().statusmessage
+
+    @property
+    def description(self) -> list[psycopg.Column] | None:
+        self._fetch_pipeline()
+        return super().description
+
+
 class PostgresStore(SqlStore):
     param = "%s"
     for_update = " FOR UPDATE"
@@ -122,7 +148,7 @@ class PostgresStore(SqlStore):
                         self.conninfo,
                         min_size=1,
                         max_size=self.pool_size,
-                        kwargs={"autocommit": True},
+                        kwargs={"autocommit": True, "cursor_factory": PipelineCursor},
                         timeout=CONNECT_TIMEOUT_S,
                         open=True,
                         name=f"workpool-{self.schema}",
@@ -194,6 +220,9 @@ class PostgresStore(SqlStore):
 
     def is_transient(self, exc: BaseException) -> bool:
         return isinstance(exc, TRANSIENT)
+
+    def is_database_error(self, exc: BaseException) -> bool:
+        return isinstance(exc, psycopg.Error)
 
     def _translate(self, exc: BaseException) -> BaseException | None:
         if isinstance(exc, psycopg_pool.PoolTimeout | psycopg.OperationalError):
