@@ -180,7 +180,7 @@ class Worker:
             # lock: a worker whose pools are full must not make the busy ones wait.
             look = self._dry and self.store.look_before_claim
             if not look or self.store.run(self._claimable, readonly=True):
-                claimed, more = self.store.run(partial(self._claim_in, free=free))
+                claimed, more = self.store.run(lambda tx: self._claim_in(tx, free=free)())
                 self._start_all(claimed)
         finally:
             self._unreserve(free)
@@ -239,15 +239,18 @@ class Worker:
             assert self.executor is not None
             self.executor.submit_async(coros)
 
-    def _claim_in(self, tx: Tx, *, free: int) -> tuple[list[ClaimedWork], bool]:
+    def _claim_in(self, tx: Tx, *, free: int) -> Callable[[], tuple[list[ClaimedWork], bool]]:
         """Claim up to ``free`` attempts in ``tx``; they may start once it commits.
 
-        Also whether more may be claimable now: a pool gave all that was asked of it
+        Answers, when the returned function is called in ``tx``, the claimed attempts
+        and whether more may be claimable now: a pool gave all that was asked of it
         (the batch cap, not its limit or its due work, stopped the claim), or the
-        configs read here show a pool to claim from that this claim skipped.
+        configs read here show a pool to claim from that this claim skipped. Called
+        after the caller's pipeline has ended, the usual claim (one pool, one batch)
+        reads nothing before then: on PostgreSQL one round trip fewer.
         """
         if free <= 0:
-            return [], False
+            return lambda: ([], False)
         # The configs are read in the claims' round trip, so which pools to claim from
         # comes from the previous read. That is safe: each claim reads its pool's
         # limit itself, under the claim lock. A pool that this read shows newly
@@ -255,9 +258,21 @@ class Worker:
         with self.store.pipeline(tx):
             configs = self.store.load_pools_later(tx)
             served = self._active_pools()
-            claimed, more = self._claim_from(tx, served, free) if served else ([], False)
+            if len(served) == 1 and free <= CLAIM_BATCH:
+                # One claim, whose answer decides nothing here: it cannot leave more
+                # to claim that the batch cap kept back.
+                later = self.store.claim_later(tx, served[0], free, self.info.id, self.clock())
+                full = False
+            else:
+                got, full = self._claim_from(tx, served, free) if served else ([], False)
+                later = partial(list, got)
+
+        def answer() -> tuple[list[ClaimedWork], bool]:
+            claimed = later()
             self.configs = {c.name: c for c in configs()}
-        return claimed, more or self._active_pools() != served
+            return claimed, full or self._active_pools() != served
+
+        return answer
 
     def _active_pools(self) -> list[str]:
         """The served pools that are not paused, sorted: pool claim locks are taken in
@@ -608,25 +623,27 @@ class Worker:
                     continue  # stale completion: fenced by attempt number
                 self.completion.complete(tx, current, outcome, now, changes, duration)
         with self.store.pipeline(tx):
-            # On PostgreSQL all of this (with the BEGIN) is sent at once and read at
-            # the claim; the counters and notifications then go with the COMMIT.
+            # On PostgreSQL all of this (with the BEGIN) is sent at once and read when
+            # the pipeline ends; the counters and notifications go with the COMMIT.
             count = None
             if simple:
                 count = self.completion.finish_succeeded(tx, simple, now, changes)
             changes.write_rows(self.store, tx, now)
             # After the finishes: the running count this claim reads has our freed slots.
-            claimed, more = self._claim_in(tx, free=free)
-            if count is not None:
-                count()
-            freed, requeued = changes.freed(), changes.requeued()
-            changes.flush(self.store, tx, self.info.id, now, wake=False, rows=False)
-            # Other workers need waking only for slots this claim did not refill (and
-            # for retries): otherwise, under a limit, every finish would send them to
-            # the claim lock for nothing.
-            refilled = Counter(work.pool for work in claimed)
-            woken = requeued | {pool for pool, n in freed.items() if n > refilled[pool]}
-            if woken:
-                self.store.notify(tx, sorted(woken))
+            claim = self._claim_in(tx, free=free)
+        # Read after the pipeline's end, which brought every answer in one round trip.
+        claimed, more = claim()
+        if count is not None:
+            count()
+        freed, requeued = changes.freed(), changes.requeued()
+        changes.flush(self.store, tx, self.info.id, now, wake=False, rows=False)
+        # Other workers need waking only for slots this claim did not refill (and
+        # for retries): otherwise, under a limit, every finish would send them to
+        # the claim lock for nothing.
+        refilled = Counter(work.pool for work in claimed)
+        woken = requeued | {pool for pool, n in freed.items() if n > refilled[pool]}
+        if woken:
+            self.store.notify(tx, sorted(woken))
         return claimed, more
 
     # --- lifecycle --------------------------------------------------------------------------

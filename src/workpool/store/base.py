@@ -347,6 +347,15 @@ class Store(abc.ABC):
         """Start up to ``limit`` due attempts without exceeding the pool's stored
         ``max_parallelism`` globally (read under the pool's claim lock)."""
 
+    def claim_later(
+        self, tx: Tx, pool: str, limit: int, worker_id: str, now: float
+    ) -> Callable[[], list[ClaimedWork]]:
+        """``claim``, answered when the returned function is called. On PostgreSQL
+        nothing is read until then: called after the caller's pipeline has ended,
+        it costs no round trip of its own."""
+        claimed = self.claim(tx, pool, limit, worker_id, now)
+        return lambda: claimed
+
     @abc.abstractmethod
     def load_for_update(self, tx: Tx, work_id: str) -> ActiveWork | None:
         """The active row, locked against concurrent completers until ``tx`` ends."""

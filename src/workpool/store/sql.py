@@ -287,7 +287,13 @@ class SqlStore(SqlReads, Store):
     )
 
     def claim(self, tx: Tx, pool: str, limit: int, worker_id: str, now: float) -> list[ClaimedWork]:
-        return [
+        return self.claim_later(tx, pool, limit, worker_id, now)()
+
+    def claim_later(
+        self, tx: Tx, pool: str, limit: int, worker_id: str, now: float
+    ) -> Callable[[], list[ClaimedWork]]:
+        rows = self._claim_rows(tx, pool, limit, worker_id, now)
+        return lambda: [
             ClaimedWork(
                 id=r[0],
                 pool=pool,
@@ -300,13 +306,15 @@ class SqlStore(SqlReads, Store):
                 started_at=now,
                 has_on_complete=bool(r[6]),
             )
-            for r in self._claim_rows(tx, pool, limit, worker_id, now)
+            for r in rows()
         ]
 
-    def _claim_rows(self, tx: Tx, pool: str, limit: int, worker_id: str, now: float) -> list[Any]:
-        """Claim up to ``limit`` due rows of ``pool`` within its ``max_parallelism``, as
-        (id, kind, fn_name, attempt, timeout, due_at, has_on_complete, args): ``_CLAIM``'s
-        columns, then the args."""
+    def _claim_rows(
+        self, tx: Tx, pool: str, limit: int, worker_id: str, now: float
+    ) -> Callable[[], list[Any]]:
+        """Claim up to ``limit`` due rows of ``pool`` within its ``max_parallelism``; a
+        function that reads them, as (id, kind, fn_name, attempt, timeout, due_at,
+        has_on_complete, args): ``_CLAIM``'s columns, then the args."""
         raise NotImplementedError
 
     def claimable(self, tx: Tx, pools: Sequence[str] | None, now: float) -> bool:

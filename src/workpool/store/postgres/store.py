@@ -306,7 +306,9 @@ class PostgresStore(SqlStore):
             finally:
                 tx.pipelined = False
 
-    def _claim_rows(self, tx: Tx, pool: str, limit: int, worker_id: str, now: float) -> list[Any]:
+    def _claim_rows(
+        self, tx: Tx, pool: str, limit: int, worker_id: str, now: float
+    ) -> Callable[[], list[Any]]:
         # The lock, then the limit, the count and the claim in one statement whose
         # snapshot is taken after the lock is granted: exact as in SqliteStore, in one
         # round trip. (LEAST and GREATEST skip NULLs: a missing pool row must be 0.)
@@ -323,7 +325,8 @@ class PostgresStore(SqlStore):
             self._lock_pool(tx, pool)
             sql = self._sql(self._CLAIM % f"id = ANY(ARRAY({ids}))" + ", args")
             params = (worker_id, now, pool, now, limit, pool, pool)
-            return list(self._x(tx, sql, params).fetchall())
+            rows = self._x(tx, sql, params)
+        return lambda: list(rows.fetchall())
 
     _INSERTED = (
         ("id", "text"),

@@ -213,7 +213,9 @@ class SqliteStore(SqlStore):
             [(r[0], r[1], r[2], r[3], r[5], r[7], r[8], r[9], r[10]) for r in rows],
         )
 
-    def _claim_rows(self, tx: Tx, pool: str, limit: int, worker_id: str, now: float) -> list[Any]:
+    def _claim_rows(
+        self, tx: Tx, pool: str, limit: int, worker_id: str, now: float
+    ) -> Callable[[], list[Any]]:
         """Args are "" when the payload row is missing: the worker fails such work as
         corrupt."""
         # Exact global limit: every claimer of this pool holds the pool lock from here
@@ -228,7 +230,7 @@ class SqliteStore(SqlStore):
         ).fetchone()
         free = min(limit, room)
         if free <= 0:
-            return []
+            return list
         sql = self._CLAIM % f"id IN ({self._CLAIM_IDS % ('?', self.skip_locked)})"
         rows = self.q(tx, sql, (worker_id, now, pool, now, free)).fetchall()
         args: dict[str, str] = {}
@@ -236,7 +238,8 @@ class SqliteStore(SqlStore):
             marks = ", ".join("?" * len(chunk))
             found = self.q(tx, f"SELECT id, args FROM {{s}}payloads WHERE id IN ({marks})", chunk)
             args.update(found.fetchall())
-        return [(*r, args.get(r[0], "")) for r in rows]
+        claimed = [(*r, args.get(r[0], "")) for r in rows]
+        return lambda: claimed
 
     def finish_many(self, tx: Tx, items: Sequence[Finishing], now: float) -> None:
         if not items:
