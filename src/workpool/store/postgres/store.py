@@ -8,7 +8,7 @@ import select
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, ClassVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -296,13 +296,20 @@ class PostgresStore(SqlStore):
             # pipeline: an inner block joins the outer one instead.
             yield
             return
-        with tx.raw.pipeline():
+        with tx.raw.pipeline() as pipeline:
             tx.pipelined = True
             try:
                 if tx.begin is not None:  # sent with what follows, not in a round trip alone
                     tx.raw.execute(tx.begin)
                     tx.begin = None
                 yield
+            except BaseException:
+                # The statements queued after a failed one come back "aborted": read
+                # them here, or psycopg's exit logs a warning about them on top of
+                # the error that is already on its way (the transaction rolls back).
+                with suppress(psycopg.Error):
+                    pipeline.sync()
+                raise
             finally:
                 tx.pipelined = False
 
