@@ -222,3 +222,30 @@ def test_user_transaction_after_idle_connections_were_cut(pg_app: Any, pg_url: s
         )
     with pg_app.transaction() as tx:  # begins on a live connection, not the dead one
         assert tx.execute("SELECT 1").fetchone() == (1,)
+
+
+def test_own_reads_without_a_snapshot_run_outside_any_transaction(pg_app: Any) -> None:
+    """``snapshot=False`` reads (status, the worker's idle checks) send no BEGIN and
+    no COMMIT; a read-only transaction with a snapshot, as a query gets, keeps its
+    BEGIN READ ONLY guard."""
+    from psycopg.pq import TransactionStatus
+
+    @pg_app.action(name="job")
+    def job() -> None:
+        pass
+
+    pool = pg_app.pool("bare", max_parallelism=1)
+    wid = pool.enqueue_action(job)
+    store = pg_app.store
+
+    def state(tx: workpool.Tx) -> tuple[TransactionStatus, str]:
+        row = tx.execute("SELECT current_setting('transaction_read_only')").fetchone()
+        return tx.raw.info.transaction_status, row[0]
+
+    assert store.run(state, readonly=True, snapshot=False) == (TransactionStatus.IDLE, "off")
+    assert store.run(state, readonly=True) == (TransactionStatus.INTRANS, "on")
+    with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+        store.run(lambda tx: tx.execute("CREATE TABLE nope (x int)"), readonly=True)
+    # The status read runs this way and still answers.
+    assert pool.status(wid).state == "pending"
+    assert pool.status(wid).reason == "due"

@@ -124,11 +124,19 @@ class App:
         self._migrate()
         return self.store.transaction()
 
-    def run(self, body: Callable[[Tx], T], *, tx: Any = None, readonly: bool = False) -> T:
-        """Run ``body`` in the caller's transaction ``tx``, else in a new retried one."""
+    def run(
+        self,
+        body: Callable[[Tx], T],
+        *,
+        tx: Any = None,
+        readonly: bool = False,
+        snapshot: bool = True,
+    ) -> T:
+        """Run ``body`` in the caller's transaction ``tx``, else in a new retried one
+        (``snapshot``: see ``Store.transaction``)."""
         self._migrate()
         if tx is None:
-            return self.store.run(body, readonly=readonly)
+            return self.store.run(body, readonly=readonly, snapshot=snapshot)
         if isinstance(tx, Tx):
             if tx.store is not self.store:
                 raise InvalidArgumentError("tx belongs to another App's store")

@@ -421,7 +421,8 @@ class Pool:
             occupancy: dict[str, tuple[int, int]] = {}
             return [self._status(tx, rows.get(i), now, occupancy) for i in ids]
 
-        return self.app.run(body, tx=tx, readonly=True)
+        # The two tables are read in order (active rows first), not in one snapshot.
+        return self.app.run(body, tx=tx, readonly=True, snapshot=False)
 
     def _status(
         self, tx: Tx, row: StatusRow | None, now: float, occupancy: dict[str, tuple[int, int]]

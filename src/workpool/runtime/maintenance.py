@@ -95,7 +95,9 @@ class Maintenance:
             # lost work, which means reading every running row, only when a rescue is
             # due: handler retries are looked for five times as often.
             lost, due = self.store.run(
-                lambda tx: self.store.maintenance_due(tx, pools, now, lost=rescue), readonly=True
+                lambda tx: self.store.maintenance_due(tx, pools, now, lost=rescue),
+                readonly=True,
+                snapshot=False,
             )
             if rescue and lost:
                 self.rescue(pools, now)

@@ -179,7 +179,7 @@ class Worker:
             # After a claim that found nothing, look before taking the store's write
             # lock: a worker whose pools are full must not make the busy ones wait.
             look = self._dry and self.store.look_before_claim
-            if not look or self.store.run(self._claimable, readonly=True):
+            if not look or self.store.run(self._claimable, readonly=True, snapshot=False):
                 claimed, more = self.store.run(lambda tx: self._claim_in(tx, free=free)())
                 self._start_all(claimed)
         finally:
@@ -306,7 +306,9 @@ class Worker:
         served = [p for p in self.served() if p in self.configs]
         if not served:
             return IDLE_POLL_S
-        next_due = self.store.run(lambda tx: self.store.next_due(tx, served), readonly=True)
+        next_due = self.store.run(
+            lambda tx: self.store.next_due(tx, served), readonly=True, snapshot=False
+        )
         now = self.clock()
         if next_due is None or next_due <= now:
             # Nothing due, or due work that the claim just left: its pool is at its

@@ -264,8 +264,17 @@ class Store(abc.ABC):
     look_before_claim: bool = False
 
     @abc.abstractmethod
-    def transaction(self, *, readonly: bool = False) -> AbstractContextManager[Tx]:
-        """One transaction; commits on normal exit, rolls back on an exception."""
+    def transaction(
+        self, *, readonly: bool = False, snapshot: bool = True
+    ) -> AbstractContextManager[Tx]:
+        """One transaction; commits on normal exit, rolls back on an exception.
+
+        ``snapshot=False`` (with ``readonly``) is for workpool's own reads whose
+        statements need nothing in common: on PostgreSQL each statement then runs
+        on its own, without BEGIN READ ONLY and COMMIT (a round trip fewer; under
+        READ COMMITTED, statements in a transaction take a snapshot each anyway).
+        Never for user code: a query must keep its read-only guard.
+        """
 
     @abc.abstractmethod
     def is_transient(self, exc: BaseException) -> bool:
@@ -277,8 +286,9 @@ class Store(abc.ABC):
         return False
 
     @abc.abstractmethod
-    def run(self, fn: Callable[[Tx], T], *, readonly: bool = False) -> T:
-        """Run ``fn`` in a transaction, retrying the whole of it on transient conflicts."""
+    def run(self, fn: Callable[[Tx], T], *, readonly: bool = False, snapshot: bool = True) -> T:
+        """Run ``fn`` in a transaction (see ``transaction``), retrying the whole of it
+        on transient conflicts."""
 
     @abc.abstractmethod
     def savepoint(self, tx: Tx, *, keep: bool = True) -> AbstractContextManager[None]:

@@ -56,9 +56,11 @@ class SqlStore(SqlReads, Store):
     def _lock_pool(self, tx: Tx, pool: str) -> None:
         """Serialise claimers of ``pool`` until ``tx`` ends (SQLite: the write lock does)."""
 
-    def _begin(self, readonly: bool) -> tuple[Any, str | None, Callable[[Tx, bool], None]]:
-        """Open a transaction: the connection, the BEGIN still to send (None: sent),
-        and a function ending it (True = commit, after ``Tx.deferred``)."""
+    def _begin(
+        self, readonly: bool, snapshot: bool
+    ) -> tuple[Any, str | None, Callable[[Tx, bool], None]]:
+        """Open a transaction: the connection, the BEGIN still to send (None: sent or
+        none), and a function ending it (True = commit, after ``Tx.deferred``)."""
         raise NotImplementedError
 
     def is_transient(self, exc: BaseException) -> bool:
@@ -88,7 +90,7 @@ class SqlStore(SqlReads, Store):
         return tx.connection.execute(self._sql(template), params)
 
     @contextmanager
-    def transaction(self, *, readonly: bool = False) -> Iterator[Tx]:
+    def transaction(self, *, readonly: bool = False, snapshot: bool = True) -> Iterator[Tx]:
         current: Tx | None = getattr(self._local, "tx", None)
         if current is not None:
             # Nested use on one thread (an enqueue inside a mutation) joins the open
@@ -101,10 +103,12 @@ class SqlStore(SqlReads, Store):
                 current.depth -= 1
             return
         try:
-            connection, begin, end = self._begin(readonly)
+            connection, begin, end = self._begin(readonly, snapshot or not readonly)
         except Exception as exc:
             raise (self._translate(exc) or exc) from exc
-        tx = Tx(connection, self, readonly=readonly, begin=begin, owned=True)
+        # Without a snapshot there may be no COMMIT for statements to wait for.
+        owned = snapshot or not readonly
+        tx = Tx(connection, self, readonly=readonly, begin=begin, owned=owned)
         self._local.tx = tx
         try:
             yield tx
@@ -121,12 +125,12 @@ class SqlStore(SqlReads, Store):
         for hook in tx.after_commit:
             hook()
 
-    def run(self, fn: Callable[[Tx], T], *, readonly: bool = False) -> T:
+    def run(self, fn: Callable[[Tx], T], *, readonly: bool = False, snapshot: bool = True) -> T:
         attempt = 0
         give_up = time.monotonic() + self.retry_window
         while True:
             try:
-                with self.transaction(readonly=readonly) as tx:
+                with self.transaction(readonly=readonly, snapshot=snapshot) as tx:
                     tx.retrying = tx.retrying or attempt > 0  # nested: the outer's say
                     return fn(tx)
             except Exception as exc:

@@ -181,8 +181,15 @@ class PostgresStore(SqlStore):
                 self._connections().putconn(tx.raw)
                 tx.raw = self._live_connection()
 
-    def _begin(self, readonly: bool) -> tuple[Any, str | None, Callable[[Tx, bool], None]]:
+    def _begin(
+        self, readonly: bool, snapshot: bool
+    ) -> tuple[Any, str | None, Callable[[Tx, bool], None]]:
         pool = self._connections()
+        if not snapshot:
+            # Each statement is a transaction of its own (the connection is in
+            # autocommit): there is nothing to begin or end. psycopg's pool rolls
+            # back a connection that comes back inside a transaction.
+            return self._live_connection(), None, lambda tx, commit: pool.putconn(tx.raw)
 
         def end(tx: Tx, commit: bool) -> None:
             conn = tx.raw  # send_begin may have replaced the first one

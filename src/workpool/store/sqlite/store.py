@@ -115,7 +115,10 @@ class SqliteStore(SqlStore):
         finally:
             conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
 
-    def _begin(self, readonly: bool) -> tuple[Any, str | None, Callable[[Tx, bool], None]]:
+    def _begin(
+        self, readonly: bool, snapshot: bool
+    ) -> tuple[Any, str | None, Callable[[Tx, bool], None]]:
+        # ``snapshot`` changes nothing here: SQLite's BEGIN and COMMIT cost no round trip.
         conn = self._connection()
         if readonly:
             conn.execute("BEGIN")
