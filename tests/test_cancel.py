@@ -341,3 +341,20 @@ def test_cancel_is_scoped_to_its_pool(app, rec: Recorder):
     assert a.status(wid).state == "pending"
     a.cancel(wid)
     assert a.status(wid) == workpool.Finished(workpool.Canceled())
+
+
+@pytest.mark.parametrize("odd", ["", "a\x1eb", "x,y", "nul\x00", "'; --", "\u2028"])
+def test_cancel_of_an_odd_id_changes_nothing(app, odd: str):
+    """Ids go to the database as one array (PostgreSQL: a joined string split on the
+    server); an id that holds the separator, a comma or a NUL is just unknown."""
+
+    @app.action(name="job")
+    def job() -> None:
+        pass
+
+    pool = app.pool("odd", max_parallelism=0)
+    wid = pool.enqueue_action(job)
+    assert pool.cancel(odd) is False
+    assert pool.status(wid).state == "pending"
+    assert pool.cancel(wid) is True
+    assert pool.status(wid) == workpool.Finished(workpool.Canceled())
