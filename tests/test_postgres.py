@@ -249,3 +249,48 @@ def test_own_reads_without_a_snapshot_run_outside_any_transaction(pg_app: Any) -
     # The status read runs this way and still answers.
     assert pool.status(wid).state == "pending"
     assert pool.status(wid).reason == "due"
+
+
+def test_on_complete_with_copy_runs_once_and_leaves_the_pipeline(pg_app: Any, pg_url: str) -> None:
+    """A handler using COPY cannot run in a pipeline: its first batch is redone with
+    a savepoint per handler, and later batches of that action skip the pipeline
+    rather than run their handlers twice each."""
+    from workpool.core.decide import Succeeded
+    from workpool.runtime.worker import Worker, WorkerOptions
+
+    table = f'"{pg_schema_of(pg_url)}".copied'
+    calls: list[str] = []
+
+    @pg_app.action(name="job")
+    def job() -> None:
+        pass
+
+    @pg_app.mutation(name="copy_it")
+    def copy_it(tx: Any, work_id: str, context: Any, result: Any) -> None:
+        calls.append(work_id)
+        with tx.connection.cursor() as cur, cur.copy(f"COPY {table} (k) FROM STDIN") as copy:
+            copy.write_row((work_id,))
+
+    pool = pg_app.pool("copying", max_parallelism=10)
+    with pg_app.transaction() as tx:
+        tx.execute(f"CREATE TABLE {table} (k text)")
+    worker = Worker(pg_app.store, pg_app.registry, WorkerOptions(pools=["copying"]))
+    store = pg_app.store
+
+    def one_batch() -> list[str]:
+        ids = pool.enqueue_action_batch(job, [{}] * 3, on_complete=copy_it)
+        now = time.time()
+        claimed = store.run(lambda tx: store.claim(tx, "copying", 10, worker.info.id, now))
+        assert sorted(w.id for w in claimed) == sorted(ids)
+        worker._record([(work, Succeeded(None), 0.0) for work in claimed])
+        return ids
+
+    first = one_batch()
+    assert len(calls) == 4  # the pipelined pass got as far as the first COPY
+    second = one_batch()
+    assert len(calls) == 7  # no pipelined pass this time
+    with pg_app.transaction() as tx:
+        rows = sorted(r[0] for r in tx.execute(f"SELECT k FROM {table}").fetchall())
+    assert rows == sorted(first + second)
+    for wid in first + second:
+        assert pool.status(wid) == workpool.Finished(workpool.Success(None))

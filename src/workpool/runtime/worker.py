@@ -90,6 +90,11 @@ class Worker:
         self._unrecorded: set[tuple[str, int]] = set()  # outcomes queued or being written
         self._reserved = 0  # local slots held by a claim in progress (dispatcher, completer)
         self._dry = False  # the dispatcher's last claim found nothing
+        # Actions whose on_complete work met a database error in a pipelined pass
+        # (a handler that uses COPY or a named cursor, which a pipeline refuses, or
+        # one whose SQL fails): their batches skip the pipeline, or every one of
+        # them would run its handlers twice.
+        self._unpipelined: set[str] = set()
         self.executor: Executor | None = None
         self.maintenance = Maintenance(self)
 
@@ -583,7 +588,8 @@ class Worker:
         known: dict[str, tuple[str, str]] | None = None,
         free: int = 0,
     ) -> tuple[list[ClaimedWork], bool]:
-        if not (optimistic and any(work.has_on_complete for work, _, _ in batch)):
+        handled = {work.fn_name for work, _, _ in batch if work.has_on_complete}
+        if not optimistic or not handled or handled & self._unpipelined:
             return self._record_body(tx, batch, optimistic, known, free)
         # The optimistic pass runs the on_complete handlers in the pipeline with the
         # store's own statements: on PostgreSQL their statements then cost one round
@@ -593,11 +599,14 @@ class Worker:
         try:
             with self.store.pipeline(tx):
                 return self._record_body(tx, batch, optimistic, known, free)
-        except HandlerRaised:
+        except HandlerRaised as raised:
+            if raised.work_id is None:
+                self._unpipelined |= handled
             raise
         except Exception as exc:
             if self.store.is_transient(exc) or not self.completion.from_database(exc):
                 raise
+            self._unpipelined |= handled
             raise HandlerRaised(None, describe_error(exc), "") from exc
 
     def _record_body(
