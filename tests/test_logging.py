@@ -192,6 +192,24 @@ def test_periodic_report_has_the_documented_numbers(app, caplog):
     pool.cancel_all()
 
 
+def test_a_worker_takes_its_first_report_turn_only_after_its_first_seconds(app, caplog):
+    """The report counts the pool's rows (costly on a big backlog): a starting worker
+    claims first. Driven by the maintenance clock, not by sleeping."""
+    from workpool.runtime.maintenance import REPORT_FIRST_S
+    from workpool.runtime.worker import Worker, WorkerOptions
+
+    caplog.set_level(logging.DEBUG)
+    pool = app.pool("first_report", max_parallelism=0)
+    pool.configure()
+    start = 1_000_000.0
+    worker = Worker(app.store, app.registry, WorkerOptions(pools=["first_report"]), lambda: start)
+    worker.configs = {c.name: c for c in app.store.run(app.store.load_pools)}
+    worker.maintenance.duties("first_report", start + 1.0)
+    assert events_of(caplog, "report", pool="first_report") == []
+    worker.maintenance.duties("first_report", start + REPORT_FIRST_S)
+    assert len(events_of(caplog, "report", pool="first_report")) == 1
+
+
 def test_start_lag_is_start_time_minus_due_time(app, caplog):
     import time
 
