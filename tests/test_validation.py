@@ -6,6 +6,7 @@ only functions registered in its App".
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -503,6 +504,29 @@ def test_enqueue_ids_are_unique_uuids(app, fns):
     pool.cancel_all()
 
 
+def test_work_ids_are_canonical_uuid7_with_the_time_and_74_random_bits():
+    from workpool.core.ids import new_work_ids
+
+    before = time.time_ns() // 1_000_000
+    ids = new_work_ids(20_000)
+    after = time.time_ns() // 1_000_000
+    assert len(set(ids)) == 20_000
+    parsed = [uuid.UUID(i) for i in ids]
+    assert [str(u) for u in parsed] == ids  # canonical: lowercase, hyphens in place
+    assert {u.version for u in parsed} == {7}
+    assert {u.variant for u in parsed} == {uuid.RFC_4122}
+    assert all(before <= u.int >> 80 <= after for u in parsed)  # the 48-bit milliseconds
+    # Every random position varies: the 12 bits after the version, the 2 variant-digit
+    # bits and the 60 bits after them.
+    random_bits = [(u.int >> 64) & 0xFFF for u in parsed], [(u.int >> 60) & 3 for u in parsed]
+    assert len(set(random_bits[0])) > 3000 and set(random_bits[1]) == {0, 1, 2, 3}
+    low = [u.int & ((1 << 60) - 1) for u in parsed]
+    assert all(
+        any(v >> bit & 1 for v in low) and not all(v >> bit & 1 for v in low) for bit in range(60)
+    )
+    assert new_work_ids(0) == []
+
+
 def test_errors_share_one_root():
     assert issubclass(workpool.WorkpoolError, Exception)
     assert issubclass(workpool.NonRetryableError, Exception)
@@ -559,3 +583,43 @@ def test_empty_batch_enqueues_nothing(app, fns, rec):
     assert pool.enqueue_action_batch(fns["job"], []) == []
     assert pool.enqueue_mutation_batch(fns["mut"], []) == []
     _nothing_stored(app, pool, rec)
+
+
+# --- property: payloads encode exactly as json.dumps, and fail with its reasons -----------
+
+from hypothesis import strategies as st  # noqa: E402
+
+from workpool.core.validation import encode_json  # noqa: E402
+
+JSONISH = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats()
+    | st.text()
+    | st.builds(object),
+    lambda inner: st.lists(inner, max_size=4)
+    | st.tuples(inner, inner)
+    | st.dictionaries(st.text(max_size=5) | st.integers() | st.booleans(), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(JSONISH)
+def test_encode_json_writes_what_json_dumps_writes_or_its_error(value):
+    try:
+        expected = json.dumps(value, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        with pytest.raises(workpool.InvalidTypeError) as info:
+            encode_json(value, "args")
+        assert str(exc) in str(info.value)
+        return
+    assert encode_json(value, "args") == expected
+
+
+def test_encode_json_names_a_circular_payload():
+    loop: list[object] = []
+    loop.append({"again": loop})
+    with pytest.raises(workpool.InvalidTypeError, match="args must be JSON-serialisable: Circ"):
+        encode_json(loop, "args")

@@ -5,21 +5,22 @@ from __future__ import annotations
 import os
 import time
 
-_RAND_BYTES = 10  # 74 of these 80 bits end up in the id, beside the millisecond time
+_RAND_BYTES = 10  # 20 hex digits an id; 74 of their 80 bits end up in the id
+_VARIANT = "89ab" * 4  # a random hex digit's low 2 bits give the RFC 4122 variant digit
 
 
 def new_work_ids(count: int) -> list[str]:
     """``count`` fresh ids; one call to the OS random source for the whole batch."""
     millis = (time.time_ns() // 1_000_000) & ((1 << 48) - 1)
-    pool = os.urandom(_RAND_BYTES * count)
-    # Formatted by hand: through uuid.UUID this took 4 us an id, most of a batch
-    # enqueue's Python time. The 48-bit time and the version are the same for all.
+    # Formatted by slicing one hex string: through uuid.UUID this took 4 us an id,
+    # by integer arithmetic per id 1 us, this way 0.5 us. The 48-bit time and the
+    # version are the same for all; then 3 random digits, the variant digit with 2
+    # random bits, and 15 random digits.
     stamp = f"{millis:012x}"
     prefix = f"{stamp[:8]}-{stamp[8:]}-7"
-    ids = []
-    for i in range(count):
-        rand = int.from_bytes(pool[i * _RAND_BYTES : (i + 1) * _RAND_BYTES], "big")
-        rand_a = (rand >> 62) & 0xFFF  # 12 random bits after the version
-        tail = f"{(0b10 << 62) | (rand & ((1 << 62) - 1)):016x}"  # RFC 4122 variant + 62 bits
-        ids.append(f"{prefix}{rand_a:03x}-{tail[:4]}-{tail[4:]}")
-    return ids
+    digits = os.urandom(_RAND_BYTES * count).hex()
+    return [
+        f"{prefix}{digits[j : j + 3]}-{_VARIANT[int(digits[j + 3], 16)]}"
+        f"{digits[j + 4 : j + 7]}-{digits[j + 7 : j + 19]}"
+        for j in range(0, 2 * _RAND_BYTES * count, 2 * _RAND_BYTES)
+    ]

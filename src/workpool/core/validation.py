@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable, Iterable
 from datetime import datetime
 from typing import Any
 
@@ -20,12 +21,54 @@ LOG_LEVELS = ("DEBUG", "TRACE", "INFO", "REPORT", "WARN", "ERROR")
 _ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
 
 
+def _reusable_encoder() -> Callable[[object, int], Iterable[str]]:
+    """The C encoder that ``_ENCODER.encode`` builds on every call, built once.
+
+    Building it is most of the cost of encoding a small payload (1.2 against 0.4 us
+    for ``{"i": 1}``: a batch enqueue encodes every item's args). It keeps no circular
+    check, which needs per-call state: a failure of any kind is encoded again by
+    ``_ENCODER``, whose error the caller sees. ``_ENCODER`` itself where the
+    interpreter has no C encoder, or one whose output differs.
+    """
+
+    def plain(value: object, _: int) -> Iterable[str]:
+        return (_ENCODER.encode(value),)
+
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:
+        return plain
+    try:
+        iterencode = make(
+            None,
+            _ENCODER.default,
+            json.encoder.encode_basestring_ascii,
+            None,
+            _ENCODER.key_separator,
+            _ENCODER.item_separator,
+            False,
+            False,
+            False,
+        )
+        sample = {"a": [1, 2.5, None, True, "\u00e9\n"], "b": {"c": -1e300}}
+        if "".join(iterencode(sample, 0)) != _ENCODER.encode(sample):
+            return plain
+    except Exception:
+        return plain
+    return iterencode  # type: ignore[no-any-return]
+
+
+_ITERENCODE = _reusable_encoder()
+
+
 def encode_json(value: object, what: str) -> str:
     """Serialise ``value`` as JSON, enforcing the size limit; raise before anything is stored."""
     try:
-        text = _ENCODER.encode(value)
-    except (TypeError, ValueError) as exc:
-        raise InvalidTypeError(f"{what} must be JSON-serialisable: {exc}") from None
+        text = "".join(_ITERENCODE(value, 0))
+    except Exception:  # a circular, non-JSON or NaN value: _ENCODER says which
+        try:
+            text = _ENCODER.encode(value)
+        except (TypeError, ValueError) as exc:
+            raise InvalidTypeError(f"{what} must be JSON-serialisable: {exc}") from None
     if len(text) * 4 <= MAX_PAYLOAD_BYTES:  # UTF-8 takes at most 4 bytes a character
         return text
     size = len(text.encode())
