@@ -592,15 +592,12 @@ from hypothesis import strategies as st  # noqa: E402
 from workpool.core.validation import encode_json  # noqa: E402
 
 JSONISH = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers()
-    | st.floats()
-    | st.text()
-    | st.builds(object),
-    lambda inner: st.lists(inner, max_size=4)
-    | st.tuples(inner, inner)
-    | st.dictionaries(st.text(max_size=5) | st.integers() | st.booleans(), inner, max_size=4),
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text() | st.builds(object),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.tuples(inner, inner)
+        | st.dictionaries(st.text(max_size=5) | st.integers() | st.booleans(), inner, max_size=4)
+    ),
     max_leaves=12,
 )
 

@@ -10,7 +10,7 @@ _VARIANT = "89ab" * 4  # a random hex digit's low 2 bits give the RFC 4122 varia
 
 
 def new_work_ids(count: int) -> list[str]:
-    """``count`` fresh ids; one call to the OS random source for the whole batch."""
+    """``count`` fresh ids in ascending order; one call to the OS random source."""
     millis = (time.time_ns() // 1_000_000) & ((1 << 48) - 1)
     # Formatted by slicing one hex string: through uuid.UUID this took 4 us an id,
     # by integer arithmetic per id 1 us, this way 0.5 us. The 48-bit time and the
@@ -19,8 +19,14 @@ def new_work_ids(count: int) -> list[str]:
     stamp = f"{millis:012x}"
     prefix = f"{stamp[:8]}-{stamp[8:]}-7"
     digits = os.urandom(_RAND_BYTES * count).hex()
-    return [
+    ids = [
         f"{prefix}{digits[j : j + 3]}-{_VARIANT[int(digits[j + 3], 16)]}"
         f"{digits[j + 4 : j + 7]}-{digits[j + 7 : j + 19]}"
         for j in range(0, 2 * _RAND_BYTES * count, 2 * _RAND_BYTES)
     ]
+    # Sorted, so a batch's items get ascending ids: claims take due work by due time
+    # and then id, so a batch runs in the order of its items, and its rows are
+    # inserted, claimed and finished in index order. In random order every claim of
+    # 100 rewrote pages all over the batch's rows (SQLite drain +15-20 %).
+    ids.sort()
+    return ids

@@ -1,0 +1,114 @@
+"""Batches: their order, and SQLite's statements over JSON arrays against its per-row ones.
+
+A batch's ids ascend in the order of its items, so a batch runs first to last
+(claims take due work by due time, then id). SQLite writes a batch's work rows and
+finishes its successes with statements over JSON arrays when its JSON functions
+are there, and row by row when they are not: both must store the same thing.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import workpool
+from conftest import run_until_idle
+from workpool.core.ids import new_work_ids
+from workpool.core.results import success_json
+from workpool.store.base import NewWork
+
+ODD_TEXT = 'quote " backslash \\ newline \n é 雪 \u2028 {"not": "json"}'
+
+
+def test_a_batch_runs_in_the_order_of_its_items(app, rec):
+    @app.action(name="step")
+    def step(i: int) -> None:
+        rec.add(i=i)
+
+    pool = app.pool("fifo", max_parallelism=1)
+    ids = pool.enqueue_action_batch(step, [{"i": i} for i in range(40)])
+    assert ids == sorted(ids)
+    run_until_idle(app, concurrency=1)
+    assert rec.values("i") == list(range(40))
+
+
+@pytest.fixture(params=[True, False], ids=["json", "per-row"])
+def sqlite_app(request, tmp_path):
+    """A SQLite app whose statements over JSON arrays are on or off."""
+    app = workpool.App(f"sqlite:///{tmp_path / 'workpool.db'}")
+    app._migrate()
+    app.store._json = request.param
+    try:
+        yield app
+    finally:
+        app.close()
+
+
+def test_a_batch_is_stored_and_finished_alike_with_or_without_json(sqlite_app, rec):
+    app = sqlite_app
+
+    @app.action(name="echo")
+    def echo(i: int, text: str) -> object:
+        rec.add(i=i)
+        return {"i": i, "text": text} if i % 3 else None
+
+    pool = app.pool("alike")
+    same = pool.enqueue_action_batch(echo, [{"i": i, "text": ODD_TEXT} for i in range(30)])
+    # Rows that differ in more than their ids (timeouts, due times): only the
+    # store's own insert makes such a batch.
+    now = time.time()
+    mixed = [
+        NewWork(
+            work_id,
+            "alike",
+            "action",
+            "echo",
+            f'{{"i": {100 + k}, "text": "t{k}"}}',
+            None,
+            None,
+            None,
+            None if k % 2 else 30.0,
+            now - k,
+            now,
+        )
+        for k, work_id in enumerate(new_work_ids(10))
+    ]
+    app.store.run(lambda tx: app.store.insert_work(tx, mixed))
+    assert pool.status(same[0]).state == "pending"
+    run_until_idle(app)
+    assert sorted(rec.values("i")) == list(range(30)) + list(range(100, 110))
+    for i, work_id in enumerate(same):
+        expected = {"i": i, "text": ODD_TEXT} if i % 3 else None
+        assert pool.status(work_id) == workpool.Finished(workpool.Success(expected))
+    for k, item in enumerate(mixed):
+        expected = {"i": 100 + k, "text": f"t{k}"} if (100 + k) % 3 else None
+        assert pool.status(item.id) == workpool.Finished(workpool.Success(expected))
+    assert pool.stats().succeeded == 40
+
+
+def test_a_success_of_a_stale_attempt_finishes_nothing_with_or_without_json(sqlite_app):
+    app = sqlite_app
+    store = app.store
+
+    @app.action(name="noop")
+    def noop() -> None:
+        return None
+
+    pool = app.pool("stale")
+    first, second = pool.enqueue_action_batch(noop, [{}, {}])
+    claimed = store.run(lambda tx: store.claim(tx, "stale", 2, "w1", time.time()))
+    assert sorted(w.id for w in claimed) == [first, second]
+
+    def finish(items):
+        stored = [(work_id, attempt, success_json(value)) for work_id, attempt, value in items]
+        return store.run(lambda tx: store.finish_succeeded(tx, stored, time.time())())
+
+    # A wrong attempt number, and an id that is not there: nothing is finished.
+    assert finish([(first, 2, '"late"'), ("no-such-id", 1, "1")]) == []
+    assert pool.status(first).state == "running"
+    assert finish([(first, 1, '"on time"'), (second, 1, "null")]) == [first, second]
+    assert pool.status(first) == workpool.Finished(workpool.Success("on time"))
+    assert pool.status(second) == workpool.Finished(workpool.Success(None))
+    assert finish([(first, 1, '"again"')]) == []  # finished once only
+    assert pool.status(first) == workpool.Finished(workpool.Success("on time"))
