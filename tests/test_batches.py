@@ -112,3 +112,40 @@ def test_a_success_of_a_stale_attempt_finishes_nothing_with_or_without_json(sqli
     assert pool.status(second) == workpool.Finished(workpool.Success(None))
     assert finish([(first, 1, '"again"')]) == []  # finished once only
     assert pool.status(first) == workpool.Finished(workpool.Success("on time"))
+
+
+def test_outcomes_with_on_complete_are_finished_alike_with_or_without_json(sqlite_app, rec):
+    """Failures, cancels and successes with on_complete go through finish_many."""
+    app = sqlite_app
+
+    @app.action(name="mixed")
+    def mixed(i: int) -> int:
+        if i % 4 == 1:
+            raise workpool.NonRetryableError(f"no {i}: {ODD_TEXT}")
+        return i
+
+    @app.mutation(name="seen")
+    def seen(tx, work_id, context, result):
+        rec.add(work_id=work_id, context=context, kind=result.kind)
+
+    pool = app.pool("outcomes")
+    ids = pool.enqueue_action_batch(
+        mixed, [{"i": i} for i in range(24)], on_complete=seen, context={"c": ODD_TEXT}
+    )
+    canceled = ids[3::8]
+    for work_id in canceled:
+        pool.cancel(work_id)
+    run_until_idle(app)
+    assert sorted(rec.values("work_id")) == sorted(ids)  # each handler once
+    assert rec.values("context") == [{"c": ODD_TEXT}] * len(ids)
+    for i, work_id in enumerate(ids):
+        status = pool.status(work_id)
+        assert status.state == "finished"
+        if work_id in canceled:
+            assert status.result == workpool.Canceled()
+        elif i % 4 == 1:
+            assert status.result == workpool.Failed(f"no {i}: {ODD_TEXT}")
+        else:
+            assert status.result == workpool.Success(i)
+    stats = pool.stats()
+    assert (stats.succeeded, stats.failed, stats.canceled) == (15, 6, 3)
