@@ -72,8 +72,9 @@ def build_app(url: str, store: str) -> Any:
 class _Workpool(System):
     has_on_complete = True
     notes = (
-        "2 worker processes (`app.run_worker`, thread executor), concurrency 200 per process "
-        "(best of 10/50/100/200/500/1000 x 1-2 processes), max_parallelism 100000 unless "
+        "2 worker processes (`app.run_worker`, thread executor), concurrency 400 per process "
+        "(best of 200/400/800 x claim and outcome batches of 256/512 since ids ascend), "
+        "max_parallelism 100000 unless "
         "the workload sets a limit; batches via enqueue_action_batch"
     )
 
@@ -142,7 +143,7 @@ class _Workpool(System):
         if w == "limit":
             return 2, dict(cfg, concurrency=self.spec["limit"])
         procs = int(os.environ.get("BENCH_WP_PROCS", "2"))
-        return procs, dict(cfg, concurrency=int(os.environ.get("BENCH_WP_CONCURRENCY", "200")))
+        return procs, dict(cfg, concurrency=int(os.environ.get("BENCH_WP_CONCURRENCY", "400")))
 
     def teardown(self) -> None:
         with contextlib.suppress(Exception):

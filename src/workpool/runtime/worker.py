@@ -38,8 +38,8 @@ from workpool.runtime.registry import FnSpec, Registry
 from workpool.store.base import ClaimedWork, PoolConfig, Store, Tx, Watcher, WorkerInfo
 
 _PAUSED = PoolConfig("", max_parallelism=0)
-CLAIM_BATCH = 128  # attempts claimed per pool per transaction: bounds claim latency
-COMPLETE_BATCH = 128  # action outcomes per transaction: group commit (64 was 20 % slower on PG)
+CLAIM_BATCH = 512  # attempts claimed per pool per transaction: bounds claim latency
+COMPLETE_BATCH = 512  # action outcomes per transaction: group commit
 IDLE_POLL_S = 1.0  # longest sleep without a wake-up: covers missed notifications
 
 
