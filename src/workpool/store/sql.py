@@ -102,13 +102,14 @@ class SqlStore(SqlReads, Store):
             finally:
                 current.depth -= 1
             return
+        # Only a read may go without a snapshot; then there may be no COMMIT for
+        # statements to wait for.
+        snapshot = snapshot or not readonly
         try:
-            connection, begin, end = self._begin(readonly, snapshot or not readonly)
+            connection, begin, end = self._begin(readonly, snapshot)
         except Exception as exc:
             raise (self._translate(exc) or exc) from exc
-        # Without a snapshot there may be no COMMIT for statements to wait for.
-        owned = snapshot or not readonly
-        tx = Tx(connection, self, readonly=readonly, begin=begin, owned=owned)
+        tx = Tx(connection, self, readonly=readonly, begin=begin, owned=snapshot)
         self._local.tx = tx
         try:
             yield tx
