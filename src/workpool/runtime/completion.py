@@ -13,6 +13,7 @@ import json
 import logging
 import random
 import traceback
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -46,6 +47,7 @@ from workpool.store.base import (
     Retrying,
     Store,
     Tx,
+    minute_of,
 )
 
 # A mutation or query whose worker vanished never committed and runs again; after
@@ -133,17 +135,18 @@ class Changes:
                 store.notify(tx, sorted(woken))
         if rows:
             self.write_rows(store, tx, now)
-        bucket = int(now // 60)
+        bucket = minute_of(now)
         for pool, tally in self.tallies.items():
             store.add_counters(tx, pool, worker_id, bucket, tally.counters())
         self.finished, self.retried, self.handed = [], [], []
         self.tallies, self.touched, self.direct = {}, set(), {}
 
-    def write_rows(self, store: Store, tx: Tx, now: float) -> None:
-        """The gathered state changes (finishes, retries, handler hand-offs)."""
-        store.finish_many(tx, self.finished, now)
-        store.retry_many(tx, self.retried)
-        store.hand_many(tx, self.handed)
+    def write_rows(self, store: Store, tx: Tx, now: float, *, at_commit: bool = False) -> None:
+        """The gathered state changes (finishes, retries, handler hand-offs);
+        ``at_commit``: nothing in ``tx`` reads these rows again (``Tx.defer``)."""
+        store.finish_many(tx, self.finished, now, at_commit=at_commit)
+        store.retry_many(tx, self.retried, at_commit=at_commit)
+        store.hand_many(tx, self.handed, at_commit=at_commit)
 
 
 def _success_json(outcome: Succeeded) -> str:
@@ -263,44 +266,42 @@ class Completion:
         batch: Sequence[tuple[ClaimedWork, Succeeded, float]],
         now: float,
         changes: Changes,
+        worker_id: str,
     ) -> Callable[[], None]:
         """Actions without on_complete that returned a value, with their durations.
 
         Whatever the row holds (retry policy, cancel flag), success finishes the
         work, so it is finished by a compare-and-set on (state, attempt) without
-        reading the rows first. The writes are sent now; calling the result reads
-        which ones took and counts them in ``changes`` (inside ``Store.pipeline``,
-        that read shares a round trip with later statements).
+        reading the rows first; the store counts the ones that took. Their slots
+        count as freed in ``changes`` (a stale one frees none: at worst a needless
+        wake-up). Calling the result, after the COMMIT, logs the ones that took.
         """
         # Sorted: rows are locked in one global order, as everywhere else.
         items = sorted((w.id, w.attempt, _success_json(o)) for w, o, _ in batch)
-        finished = self.store.finish_succeeded(tx, items, now)
-        return lambda: self._count_succeeded(batch, set(finished()), changes)
+        finished = self.store.finish_succeeded(tx, items, now, worker_id)
+        for pool, count in Counter(work.pool for work, _, _ in batch).items():
+            changes.direct[pool] = changes.direct.get(pool, 0) + count
+        return lambda: self._log_succeeded(batch, finished)
 
-    def _count_succeeded(
+    def _log_succeeded(
         self,
         batch: Sequence[tuple[ClaimedWork, Succeeded, float]],
-        done: set[str],
-        changes: Changes,
+        finished: Callable[[], list[str]],
     ) -> None:
-        # This runs per attempt: group by pool so that the tally and the log level
-        # are looked up once per pool, not once per attempt.
-        by_pool: dict[str, list[tuple[ClaimedWork, float]]] = {}
+        # Once per pool, not per attempt: whether its log level shows completions.
+        shown = {
+            pool
+            for pool in {work.pool for work, _, _ in batch}
+            if events.shown(logging.INFO, self.pool_level(pool))
+        }
+        if not shown:
+            return
+        done = set(finished())  # the others were stale: rescued, or canceled elsewhere
         for work, _, duration in batch:
-            if work.id in done:  # else stale: rescued, or canceled and finished elsewhere
-                by_pool.setdefault(work.pool, []).append((work, duration))
-        for pool, finished in by_pool.items():
-            tally = changes.tally(pool)
-            tally.end("success", len(finished))
-            tally.lags([max(work.started_at - work.due_at, 0.0) for work, _ in finished])
-            changes.direct[pool] = changes.direct.get(pool, 0) + len(finished)
-            level = self.pool_level(pool)
-            if not events.shown(logging.INFO, level):
-                continue
-            for work, duration in finished:
+            if work.pool in shown and work.id in done:
                 events.completed(
-                    level,
-                    pool=pool,
+                    self.pool_level(work.pool),
+                    pool=work.pool,
                     work_id=work.id,
                     fn_name=work.fn_name,
                     status="success",

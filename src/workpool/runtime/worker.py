@@ -185,13 +185,15 @@ class Worker:
             # lock: a worker whose pools are full must not make the busy ones wait.
             look = self._dry and self.store.look_before_claim
             if not look or self.store.run(self._claimable, readonly=True, snapshot=False):
-                claimed, more = self.store.run(lambda tx: self._claim_in(tx, free=free)())
+                claimed, more = self.store.run(lambda tx: self._claim_in(tx, free=free))()
                 self._start_all(claimed)
         finally:
             self._unreserve(free)
         self._dry = not claimed
-        if claimed or more:
+        if more:
             return 0.0
+        # A claim that got less than it asked for took all that was due (or all the
+        # limits allow): another one now would find nothing.
         if self.options.until_idle and self._idle():
             return None
         return self._sleep_time()
@@ -244,33 +246,48 @@ class Worker:
             assert self.executor is not None
             self.executor.submit_async(coros)
 
-    def _claim_in(self, tx: Tx, *, free: int) -> Callable[[], tuple[list[ClaimedWork], bool]]:
+    def _claim_in(
+        self, tx: Tx, *, free: int, freed: dict[str, int] | None = None
+    ) -> Callable[[], tuple[list[ClaimedWork], bool]]:
         """Claim up to ``free`` attempts in ``tx``; they may start once it commits.
+        ``freed``: slots per pool that ``tx`` frees; other workers are woken for
+        those this claim may leave free while work is due.
 
-        Answers, when the returned function is called in ``tx``, the claimed attempts
-        and whether more may be claimable now: a pool gave all that was asked of it
-        (the batch cap, not its limit or its due work, stopped the claim), or the
-        configs read here show a pool to claim from that this claim skipped. Called
-        after the caller's pipeline has ended, the usual claim (one pool, one batch)
-        reads nothing before then: on PostgreSQL one round trip fewer.
+        Answers, when the returned function is called after the COMMIT, the claimed
+        attempts and whether more may be claimable now: a pool gave all that was
+        asked of it (the batch cap, not its limit or its due work, stopped the
+        claim), or the configs read here show a pool to claim from that this claim
+        skipped. The usual claim (one pool, one batch) reads nothing before then:
+        PostgreSQL claims with the COMMIT, in its round trip.
         """
+        freed = freed or {}
         if free <= 0:
+            if freed:
+                self.store.notify(tx, sorted(freed))
             return lambda: ([], False)
-        # The configs are read in the claims' round trip, so which pools to claim from
-        # comes from the previous read. That is safe: each claim reads its pool's
-        # limit itself, under the claim lock. A pool that this read shows newly
-        # claimable (created, resumed) is claimed from at once: ``more``.
-        with self.store.pipeline(tx):
-            configs = self.store.load_pools_later(tx)
-            served = self._active_pools()
-            if len(served) == 1 and free <= CLAIM_BATCH:
-                # One claim, whose answer decides nothing here: it cannot leave more
-                # to claim that the batch cap kept back.
-                later = self.store.claim_later(tx, served[0], free, self.info.id, self.clock())
-                full = False
-            else:
-                got, full = self._claim_from(tx, served, free) if served else ([], False)
-                later = partial(list, got)
+        # The configs are read with the claims, so which pools to claim from comes
+        # from the previous read. That is safe: each claim reads its pool's limit
+        # itself, under the claim lock. A pool that this read shows newly claimable
+        # (created, resumed) is claimed from at once: ``more``.
+        configs = self.store.load_pools_later(tx)
+        served = self._active_pools()
+        if len(served) == 1 and free <= CLAIM_BATCH:
+            # One claim, whose answer decides nothing here: it cannot leave more to
+            # claim that the batch cap kept back. It runs after this transaction's
+            # finishes, so the pool's limit has room for the slots they freed: it
+            # refills them all unless it runs out of due work (then no other worker
+            # needs them) or of local slots (then the others are woken).
+            pool = served[0]
+            later = self.store.claim_later(tx, pool, free, self.info.id, self.clock())
+            full = False
+            unfilled = sorted(p for p, n in freed.items() if p != pool or n > free)
+        else:
+            got, full = self._claim_from(tx, served, free) if served else ([], False)
+            later = partial(list, got)
+            refilled = Counter(work.pool for work in got)
+            unfilled = sorted(p for p, n in freed.items() if n > refilled[p])
+        if unfilled:
+            self.store.notify(tx, unfilled)
 
         def answer() -> tuple[list[ClaimedWork], bool]:
             claimed = later()
@@ -540,7 +557,7 @@ class Worker:
         known: dict[str, tuple[str, str]] = {}
         while True:
             try:
-                claimed, more = self.store.run(
+                answer = self.store.run(
                     partial(
                         self._record_in,
                         batch=batch,
@@ -549,6 +566,7 @@ class Worker:
                         free=free,
                     )
                 )
+                claimed, more = answer()
                 self._start_all(claimed)
                 return more or free <= 0
             except HandlerRaised as raised:
@@ -587,7 +605,7 @@ class Worker:
         optimistic: bool = False,
         known: dict[str, tuple[str, str]] | None = None,
         free: int = 0,
-    ) -> tuple[list[ClaimedWork], bool]:
+    ) -> Callable[[], tuple[list[ClaimedWork], bool]]:
         handled = {work.fn_name for work, _, _ in batch if work.has_on_complete}
         if not optimistic or not handled or handled & self._unpipelined:
             return self._record_body(tx, batch, optimistic, known, free)
@@ -616,7 +634,10 @@ class Worker:
         optimistic: bool,
         known: dict[str, tuple[str, str]] | None,
         free: int = 0,
-    ) -> tuple[list[ClaimedWork], bool]:
+    ) -> Callable[[], tuple[list[ClaimedWork], bool]]:
+        """Record ``batch`` and claim for the freed slots; the answer, read after the
+        COMMIT, is ``_claim_in``'s. On PostgreSQL a batch of plain successes is one
+        round trip: the finish, the counters, the claim and the COMMIT go together."""
         now = self.clock()
         changes = Changes(optimistic=optimistic, known_failures=dict(known or {}))
         simple: list[tuple[ClaimedWork, Succeeded, float]] = []
@@ -633,29 +654,27 @@ class Worker:
                 if current is None or current.state != "running" or current.attempt != work.attempt:
                     continue  # stale completion: fenced by attempt number
                 self.completion.complete(tx, current, outcome, now, changes, duration)
-        with self.store.pipeline(tx):
-            # On PostgreSQL all of this (with the BEGIN) is sent at once and read when
-            # the pipeline ends; the counters and notifications go with the COMMIT.
-            count = None
-            if simple:
-                count = self.completion.finish_succeeded(tx, simple, now, changes)
-            changes.write_rows(self.store, tx, now)
-            # After the finishes: the running count this claim reads has our freed slots.
-            claim = self._claim_in(tx, free=free)
-        # Read after the pipeline's end, which brought every answer in one round trip.
-        claimed, more = claim()
-        if count is not None:
-            count()
+        # Nothing below is read before the COMMIT: the writes go with it, and the
+        # claim after them, so the running count it reads has our freed slots.
+        log = None
+        if simple:
+            log = self.completion.finish_succeeded(tx, simple, now, changes, self.info.id)
+        changes.write_rows(self.store, tx, now, at_commit=True)
         freed, requeued = changes.freed(), changes.requeued()
         changes.flush(self.store, tx, self.info.id, now, wake=False, rows=False)
-        # Other workers need waking only for slots this claim did not refill (and
-        # for retries): otherwise, under a limit, every finish would send them to
-        # the claim lock for nothing.
-        refilled = Counter(work.pool for work in claimed)
-        woken = requeued | {pool for pool, n in freed.items() if n > refilled[pool]}
-        if woken:
-            self.store.notify(tx, sorted(woken))
-        return claimed, more
+        if requeued:
+            self.store.notify(tx, sorted(requeued))
+        # Other workers are woken for retries, and for freed slots only where this
+        # claim may leave them empty while work is due: otherwise every finish
+        # would send them to the claim lock for nothing.
+        claim = self._claim_in(tx, free=free, freed=freed)
+
+        def answer() -> tuple[list[ClaimedWork], bool]:
+            if log is not None:
+                log()
+            return claim()
+
+        return answer
 
     # --- lifecycle --------------------------------------------------------------------------
     def _install_signals(self) -> Callable[[], None]:

@@ -47,7 +47,7 @@ class Tx:
         # Whether the store ends this transaction (not one adopted from the caller):
         # only then can statements wait for the COMMIT (``defer``).
         self.owned = owned
-        self.deferred: list[tuple[str, Sequence[Any]]] = []
+        self.deferred: list[Deferred] = []
         self.depth = 0  # transactions nested in this one (savepoints) now open
         self.pipelined = False  # inside Store.pipeline
 
@@ -61,14 +61,41 @@ class Tx:
     def execute(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> Any:
         return self.connection.execute(sql, params)
 
-    def defer(self, sql: str, params: Sequence[Any] = ()) -> None:
-        """Run a statement whose result nobody reads just before COMMIT (PostgreSQL
-        sends them with the COMMIT in one round trip); at once in a transaction
-        adopted from the caller, whose COMMIT the store does not send."""
+    def defer(self, sql: str, params: Sequence[Any] = (), *, rows: bool = False) -> Deferred:
+        """Run a statement just before COMMIT (PostgreSQL sends them with the COMMIT
+        in one round trip); at once in a transaction adopted from the caller, whose
+        COMMIT the store does not send. ``rows``: keep what it returns, for reading
+        once the transaction has committed (``Deferred.rows``)."""
+        deferred = Deferred(sql, params, rows)
         if self.owned:
-            self.deferred.append((sql, params))
+            self.deferred.append(deferred)
         else:
-            self.execute(sql, params)
+            deferred.ran(self.execute(sql, params))
+        return deferred
+
+
+class Deferred:
+    """A statement that waits for its transaction's COMMIT (``Tx.defer``)."""
+
+    __slots__ = ("_rows", "keep", "params", "sql")
+
+    def __init__(self, sql: str, params: Sequence[Any], keep: bool) -> None:
+        self.sql = sql
+        self.params = params
+        self.keep = keep
+        self._rows: list[Any] | None = None
+
+    def ran(self, cursor: Any) -> None:
+        """The statement ran with ``cursor`` (its results already received)."""
+        if self.keep:
+            self._rows = list(cursor.fetchall())
+
+    @property
+    def rows(self) -> list[Any]:
+        """What the statement returned; only once it ran (the COMMIT was sent)."""
+        if self._rows is None:
+            raise RuntimeError(f"{self.sql[:60]!r}... has not run: read its rows after COMMIT")
+        return self._rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +227,11 @@ class PoolCounts:
     finished: int = 0
 
 
+def minute_of(now: float) -> int:
+    """The counters bucket of time ``now``: counters are kept per worker and minute."""
+    return int(now // 60)
+
+
 @dataclass(frozen=True, slots=True)
 class Counters:
     """Completion counters of a window, summed over workers."""
@@ -213,6 +245,15 @@ class Counters:
     lag_sum: float = 0.0
     lag_max: float = 0.0
     lag_hist: tuple[int, ...] = histogram.EMPTY  # counts per histogram.LAG_BOUNDS bucket
+
+    @classmethod
+    def successes(cls, lags: Sequence[float]) -> Counters:
+        """``len(lags)`` attempts that succeeded, with these start lags."""
+        hist = [0] * len(histogram.LAG_BOUNDS)
+        for lag in lags:
+            hist[histogram.bucket(lag)] += 1
+        n = len(lags)
+        return cls(n, n, 0, 0, 0, n, sum(lags), max(lags, default=0.0), tuple(hist))
 
     def __add__(self, other: Counters) -> Counters:
         return Counters(
@@ -334,8 +375,8 @@ class Store(abc.ABC):
     def load_pools(self, tx: Tx) -> list[PoolConfig]: ...
 
     def load_pools_later(self, tx: Tx) -> Callable[[], list[PoolConfig]]:
-        """``load_pools``, answered when the result is called: inside ``pipeline``
-        the query shares the round trip of the next read."""
+        """``load_pools``, answered when the result is called after ``tx`` committed
+        (PostgreSQL reads it with the COMMIT)."""
         pools = self.load_pools(tx)
         return lambda: pools
 
@@ -360,9 +401,9 @@ class Store(abc.ABC):
     def claim_later(
         self, tx: Tx, pool: str, limit: int, worker_id: str, now: float
     ) -> Callable[[], list[ClaimedWork]]:
-        """``claim``, answered when the returned function is called. On PostgreSQL
-        nothing is read until then: called after the caller's pipeline has ended,
-        it costs no round trip of its own."""
+        """``claim``, answered when the returned function is called after ``tx``
+        committed. PostgreSQL claims with the COMMIT, in its round trip, so the claim
+        lock is held for no round trip at all."""
         claimed = self.claim(tx, pool, limit, worker_id, now)
         return lambda: claimed
 
@@ -376,23 +417,28 @@ class Store(abc.ABC):
         read that lets a worker skip the claim lock while its pools are full."""
 
     @abc.abstractmethod
-    def finish_many(self, tx: Tx, items: Sequence[Finishing], now: float) -> None:
-        """running|completing|pending -> finished: delete the work row, insert the result."""
+    def finish_many(
+        self, tx: Tx, items: Sequence[Finishing], now: float, *, at_commit: bool = False
+    ) -> None:
+        """running|completing|pending -> finished: delete the work row, insert the
+        result. ``at_commit`` here and below: nothing in ``tx`` reads these rows
+        again, so the store may send the writes with the COMMIT (``Tx.defer``)."""
 
     @abc.abstractmethod
     def finish_succeeded(
-        self, tx: Tx, items: Sequence[tuple[str, int, str]], now: float
+        self, tx: Tx, items: Sequence[tuple[str, int, str]], now: float, worker_id: str
     ) -> Callable[[], list[str]]:
         """running -> finished for (id, attempt, result JSON) without reading the rows
-        first. Calling the result gives the ids that were still running that attempt
-        (the others are stale); inside ``pipeline`` the answer is read only then."""
+        first, each counted as a success with its start lag in ``worker_id``'s
+        counters of the minute. Calling the result after ``tx`` committed gives the
+        ids that were still running that attempt (the others are stale)."""
 
     @abc.abstractmethod
-    def retry_many(self, tx: Tx, items: Sequence[Retrying]) -> None:
+    def retry_many(self, tx: Tx, items: Sequence[Retrying], *, at_commit: bool = False) -> None:
         """running -> pending at each item's due time (CAS on attempt)."""
 
     @abc.abstractmethod
-    def hand_many(self, tx: Tx, items: Sequence[Handing]) -> None:
+    def hand_many(self, tx: Tx, items: Sequence[Handing], *, at_commit: bool = False) -> None:
         """running|pending|completing -> completing (CAS on state and attempt)."""
 
     @abc.abstractmethod

@@ -14,6 +14,7 @@ from workpool.core.retry import RetryBehavior
 from workpool.store.base import (
     ActiveWork,
     ClaimedWork,
+    Counters,
     Handing,
     NewWork,
     PoolConfig,
@@ -22,6 +23,7 @@ from workpool.store.base import (
     T,
     Tx,
     WorkerInfo,
+    minute_of,
 )
 from workpool.store.sql_reads import ACTIVE_COLUMNS, IN_CHUNK, SqlReads, active_row, storable
 
@@ -271,6 +273,17 @@ class SqlStore(SqlReads, Store):
     def _executemany(self, tx: Tx, sql: str, rows: list[tuple[Any, ...]]) -> None:
         tx.connection.executemany(sql, rows)
 
+    def _count_successes(
+        self, tx: Tx, worker_id: str, now: float, rows: Sequence[Sequence[Any]]
+    ) -> None:
+        """Count successes in the worker's counters, from their (pool, started_at,
+        due_at) rows: ``finish_succeeded``'s counting where the store reads the rows."""
+        lags: dict[str, list[float]] = {}
+        for pool, started_at, due_at in rows:
+            lags.setdefault(pool, []).append(max(started_at - due_at, 0.0))
+        for pool, values in lags.items():
+            self.add_counters(tx, pool, worker_id, minute_of(now), Counters.successes(values))
+
     def occupancy(self, tx: Tx, pool: str) -> tuple[int, int | None]:
         row = self.q(
             tx,
@@ -292,12 +305,18 @@ class SqlStore(SqlReads, Store):
     )
 
     def claim(self, tx: Tx, pool: str, limit: int, worker_id: str, now: float) -> list[ClaimedWork]:
-        return self.claim_later(tx, pool, limit, worker_id, now)()
+        return self._claimed(pool, now, self._claim_rows(tx, pool, limit, worker_id, now))()
 
     def claim_later(
         self, tx: Tx, pool: str, limit: int, worker_id: str, now: float
     ) -> Callable[[], list[ClaimedWork]]:
-        rows = self._claim_rows(tx, pool, limit, worker_id, now)
+        rows = self._claim_rows(tx, pool, limit, worker_id, now, at_commit=True)
+        return self._claimed(pool, now, rows)
+
+    @staticmethod
+    def _claimed(
+        pool: str, now: float, rows: Callable[[], list[Any]]
+    ) -> Callable[[], list[ClaimedWork]]:
         return lambda: [
             ClaimedWork(
                 id=r[0],
@@ -315,11 +334,19 @@ class SqlStore(SqlReads, Store):
         ]
 
     def _claim_rows(
-        self, tx: Tx, pool: str, limit: int, worker_id: str, now: float
+        self,
+        tx: Tx,
+        pool: str,
+        limit: int,
+        worker_id: str,
+        now: float,
+        *,
+        at_commit: bool = False,
     ) -> Callable[[], list[Any]]:
         """Claim up to ``limit`` due rows of ``pool`` within its ``max_parallelism``; a
         function that reads them, as (id, kind, fn_name, attempt, timeout, due_at,
-        has_on_complete, args): ``_CLAIM``'s columns, then the args."""
+        has_on_complete, args): ``_CLAIM``'s columns, then the args. ``at_commit``:
+        the store may claim with the COMMIT (``claim_later``)."""
         raise NotImplementedError
 
     def claimable(self, tx: Tx, pools: Sequence[str] | None, now: float) -> bool:
@@ -363,7 +390,7 @@ class SqlStore(SqlReads, Store):
                 found[row[0]] = active_row(row)
         return found
 
-    def retry_many(self, tx: Tx, items: Sequence[Retrying]) -> None:
+    def retry_many(self, tx: Tx, items: Sequence[Retrying], *, at_commit: bool = False) -> None:
         if not items:
             return
         self._executemany(
@@ -376,7 +403,7 @@ class SqlStore(SqlReads, Store):
             [(r.due_at, r.error, int(r.lost), r.work.id, r.work.attempt) for r in items],
         )
 
-    def hand_many(self, tx: Tx, items: Sequence[Handing]) -> None:
+    def hand_many(self, tx: Tx, items: Sequence[Handing], *, at_commit: bool = False) -> None:
         if not items:
             return
         self._executemany(

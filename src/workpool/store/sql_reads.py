@@ -22,9 +22,7 @@ ACTIVE_COLUMNS = (
 )
 # A status needs no context: it may be big, and on SQLite it is another table.
 STATUS_COLUMNS = ACTIVE_COLUMNS.replace("{context_w}", "NULL")
-HIST_COLUMNS = tuple(
-    f"lag_h{i}" for i in range(len(histogram.LAG_BOUNDS))
-)  # ids per IN (...) list: well under SQLite's variable limit
+HIST_COLUMNS = tuple(f"lag_h{i}" for i in range(len(histogram.LAG_BOUNDS)))
 
 
 def _decoded(text: str) -> Any:
@@ -104,6 +102,14 @@ class SqlReads:
         "lag_count",
         "lag_sum",
         *HIST_COLUMNS,
+    )
+
+    # The end of an INSERT into counters that adds to the row already there.
+    _COUNTERS_ADDED = (
+        " ON CONFLICT (pool, worker_id, bucket) DO UPDATE SET "
+        + ", ".join(f"{c} = {{s}}counters.{c} + excluded.{c}" for c in _SUMMED)
+        + ", lag_max = CASE WHEN excluded.lag_max > {s}counters.lag_max"
+        " THEN excluded.lag_max ELSE {s}counters.lag_max END"
     )
 
     def work_info(self, tx: Tx, work_id: str) -> WorkInfo | None:
@@ -212,14 +218,10 @@ class SqlReads:
         # update the same row. Nothing reads it back in the transaction, so it waits
         # for the COMMIT (on PostgreSQL, in the COMMIT's round trip).
         columns = (*self._SUMMED, "lag_max")
-        sums = ", ".join(f"{c} = {{s}}counters.{c} + excluded.{c}" for c in self._SUMMED)
         tx.defer(
             self._sql(
                 f"INSERT INTO {{s}}counters (pool, worker_id, bucket, {', '.join(columns)})"
-                f" VALUES (?, ?, ?, {', '.join('?' * len(columns))})"
-                f" ON CONFLICT (pool, worker_id, bucket) DO UPDATE SET {sums},"
-                " lag_max = CASE WHEN excluded.lag_max > {s}counters.lag_max"
-                " THEN excluded.lag_max ELSE {s}counters.lag_max END"
+                f" VALUES (?, ?, ?, {', '.join('?' * len(columns))})" + self._COUNTERS_ADDED
             ),
             (
                 pool,

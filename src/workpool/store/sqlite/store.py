@@ -248,10 +248,18 @@ class SqliteStore(SqlStore):
         return self._json
 
     def _claim_rows(
-        self, tx: Tx, pool: str, limit: int, worker_id: str, now: float
+        self,
+        tx: Tx,
+        pool: str,
+        limit: int,
+        worker_id: str,
+        now: float,
+        *,
+        at_commit: bool = False,
     ) -> Callable[[], list[Any]]:
         """Args are "" when the payload row is missing: the worker fails such work as
-        corrupt."""
+        corrupt. Claims at once even ``at_commit``: without round trips, waiting
+        for the COMMIT gains nothing."""
         # Exact global limit: every claimer of this pool holds the pool lock from here
         # to commit, and only claims add running rows, so the count below cannot be
         # raised by anyone else before we commit (completions only lower it).
@@ -275,7 +283,9 @@ class SqliteStore(SqlStore):
         claimed = [(*r, args.get(r[0], "")) for r in rows]
         return lambda: claimed
 
-    def finish_many(self, tx: Tx, items: Sequence[Finishing], now: float) -> None:
+    def finish_many(
+        self, tx: Tx, items: Sequence[Finishing], now: float, *, at_commit: bool = False
+    ) -> None:
         if not items:
             return
         if not self._has_json(tx):
@@ -343,7 +353,7 @@ class SqliteStore(SqlStore):
         )
 
     def finish_succeeded(
-        self, tx: Tx, items: Sequence[tuple[str, int, str]], now: float
+        self, tx: Tx, items: Sequence[tuple[str, int, str]], now: float, worker_id: str
     ) -> Callable[[], list[str]]:
         # One read finds the rows still running the attempt; the writes then need no
         # check of their own, because a write transaction here holds SQLite's only
@@ -351,18 +361,20 @@ class SqliteStore(SqlStore):
         # Measured: 20 -> 15 us per job against a DELETE ... RETURNING per row.
         wanted = {work_id: (attempt, result) for work_id, attempt, result in items}
         if not self._has_json(tx):
-            return self._finish_succeeded_by_row(tx, wanted, now)
+            return self._finish_succeeded_by_row(tx, wanted, now, worker_id)
         # Three statements over JSON arrays for the whole batch, where executemany
         # binds and steps once a row.
         ids = json.dumps(sorted(storable(list(wanted))))
         rows = self.q(
             tx,
-            "SELECT w.id, w.attempt FROM json_each(?) j CROSS JOIN {s}work w"
-            " ON w.id = j.value WHERE w.state = 'running'",
+            "SELECT w.id, w.attempt, w.pool, w.started_at, w.due_at FROM json_each(?) j"
+            " CROSS JOIN {s}work w ON w.id = j.value WHERE w.state = 'running'",
             (ids,),
         ).fetchall()
-        live = [(r[0], wanted[r[0]][1]) for r in rows if wanted[r[0]][0] == r[1]]
+        rows = [r for r in rows if wanted[r[0]][0] == r[1]]
+        live = [(r[0], wanted[r[0]][1]) for r in rows]
         done = [work_id for work_id, _ in live]
+        self._count_successes(tx, worker_id, now, [r[2:] for r in rows])
         # Pairs of id and result, both JSON strings, so that json_extract gives back
         # the exact text of each.
         self.q(
@@ -382,17 +394,20 @@ class SqliteStore(SqlStore):
         return lambda: done
 
     def _finish_succeeded_by_row(
-        self, tx: Tx, wanted: dict[str, tuple[int, str]], now: float
+        self, tx: Tx, wanted: dict[str, tuple[int, str]], now: float, worker_id: str
     ) -> Callable[[], list[str]]:
         live: list[tuple[str, str]] = []
         for chunk in self.iter_chunks(sorted(storable(list(wanted))), IN_CHUNK):
             marks = ", ".join("?" * len(chunk))
             rows = self.q(
                 tx,
-                f"SELECT id, attempt FROM {{s}}work WHERE id IN ({marks}) AND state = 'running'",
+                f"SELECT id, attempt, pool, started_at, due_at FROM {{s}}work"
+                f" WHERE id IN ({marks}) AND state = 'running'",
                 chunk,
             ).fetchall()
-            live += [(r[0], wanted[r[0]][1]) for r in rows if wanted[r[0]][0] == r[1]]
+            rows = [r for r in rows if wanted[r[0]][0] == r[1]]
+            live += [(r[0], wanted[r[0]][1]) for r in rows]
+            self._count_successes(tx, worker_id, now, [r[2:] for r in rows])
         self._executemany(
             tx,
             self._sql(
@@ -435,8 +450,8 @@ def _differ_only_in_ids(rows: list[tuple[Any, ...]]) -> bool:
 def _end(conn: sqlite3.Connection, tx: Tx, commit: bool) -> None:
     """COMMIT after the deferred statements (no round trips to save here), or ROLLBACK."""
     if commit:
-        for sql, params in tx.deferred:
-            conn.execute(sql, params)
+        for deferred in tx.deferred:
+            deferred.ran(conn.execute(deferred.sql, deferred.params))
     conn.execute("COMMIT" if commit else "ROLLBACK")
 
 

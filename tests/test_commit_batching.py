@@ -1,0 +1,99 @@
+"""Statements that wait for the COMMIT: claims, the counting of successes, deferred rows.
+
+PostgreSQL sends a recording transaction's writes, its counters and its claim with
+the COMMIT, in one round trip, and reads the claim's rows afterwards; SQLite runs
+them at once. Either way a claim exists only once committed, and a success is
+counted once, in the same histogram buckets as ``histogram.bucket`` puts it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from workpool.core import histogram
+from workpool.core.ids import new_work_ids
+from workpool.core.results import success_json
+from workpool.store.base import Counters, NewWork, minute_of
+
+
+def _pending(app, pool: str, count: int, due_at: float = 0.0) -> list[str]:
+    app.pool(pool).configure(max_parallelism=100)
+    now = time.time()
+    ids = new_work_ids(count)
+    items = [
+        NewWork(work_id, pool, "action", "noop", "{}", None, None, None, None, due_at, now)
+        for work_id in ids
+    ]
+    app.store.run(lambda tx: app.store.insert_work(tx, items))
+    return ids
+
+
+def test_a_claim_for_the_commit_exists_only_once_committed(app):
+    store = app.store
+    ids = _pending(app, "later", 3)
+
+    class Abandon(Exception):
+        pass
+
+    def claim_then_fail(tx):
+        store.claim_later(tx, "later", 2, "w1", time.time())
+        raise Abandon
+
+    with pytest.raises(Abandon):
+        store.run(claim_then_fail)
+    assert [app.pool("later").status(i).state for i in ids] == ["pending"] * 3
+
+    answer = store.run(lambda tx: store.claim_later(tx, "later", 2, "w1", time.time()))
+    claimed = answer()
+    assert [w.id for w in claimed] == ids[:2]
+    assert [app.pool("later").status(i).state for i in ids] == ["running", "running", "pending"]
+
+
+def test_rows_of_a_deferred_statement_are_read_after_the_commit(app):
+    store = app.store
+    seen = {}
+
+    def body(tx):
+        deferred = tx.defer("SELECT 41 + 1", rows=True)
+        with pytest.raises(RuntimeError, match="has not run"):
+            deferred.rows  # noqa: B018 -- reading before the COMMIT is the error
+        seen["deferred"] = deferred
+
+    store.run(body)
+    assert [tuple(r) for r in seen["deferred"].rows] == [(42,)]
+
+
+def test_successes_are_counted_once_in_the_buckets_of_histogram_bucket(app):
+    """Start lags on each bucket bound, just above it, and far beyond the last."""
+    store = app.store
+    finite = [b for b in histogram.LAG_BOUNDS if math.isfinite(b)]
+    lags = [0.0] + finite + [math.nextafter(b, math.inf) for b in finite] + [3600.0]
+    ids = _pending(app, "lags", len(lags))
+    started: dict[str, float] = {}
+    for lag in lags:  # due at 0.0: a claim at time ``lag`` starts it ``lag`` late
+        (work,) = store.run(lambda tx, lag=lag: store.claim(tx, "lags", 1, "w1", lag))
+        started[work.id] = work.started_at
+    assert sorted(started) == sorted(ids)
+
+    now = time.time()
+    items = [(work_id, 1, success_json("null")) for work_id in sorted(started)]
+    stale = [(ids[0], 2, success_json("null"))]  # a wrong attempt: not counted
+    assert store.run(lambda tx: store.finish_succeeded(tx, stale, now, "w1"))() == []
+    done = store.run(lambda tx: store.finish_succeeded(tx, items, now, "w1"))()
+    assert sorted(done) == sorted(ids)
+    assert store.run(lambda tx: store.finish_succeeded(tx, items, now, "w1"))() == []
+
+    counted = store.run(lambda tx: store.read_counters(tx, "lags", minute_of(now)), readonly=True)
+    expected = Counters.successes([max(s - 0.0, 0.0) for s in started.values()])
+    assert counted.lag_hist == expected.lag_hist
+    assert counted.lag_hist == tuple(
+        sum(1 for lag in lags if histogram.bucket(lag) == i)
+        for i in range(len(histogram.LAG_BOUNDS))
+    )
+    assert (counted.completed, counted.succeeded, counted.lag_count) == (len(lags),) * 3
+    assert (counted.failed, counted.retries, counted.canceled) == (0, 0, 0)
+    assert counted.lag_max == 3600.0
+    assert counted.lag_sum == pytest.approx(sum(lags))
