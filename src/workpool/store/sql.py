@@ -14,7 +14,6 @@ from workpool.core.retry import RetryBehavior
 from workpool.store.base import (
     ActiveWork,
     ClaimedWork,
-    Counters,
     Handing,
     NewWork,
     PoolConfig,
@@ -23,7 +22,6 @@ from workpool.store.base import (
     T,
     Tx,
     WorkerInfo,
-    minute_of,
 )
 from workpool.store.sql_reads import ACTIVE_COLUMNS, IN_CHUNK, SqlReads, active_row, storable
 
@@ -272,17 +270,6 @@ class SqlStore(SqlReads, Store):
 
     def _executemany(self, tx: Tx, sql: str, rows: list[tuple[Any, ...]]) -> None:
         tx.connection.executemany(sql, rows)
-
-    def _count_successes(
-        self, tx: Tx, worker_id: str, now: float, rows: Sequence[Sequence[Any]]
-    ) -> None:
-        """Count successes in the worker's counters, from their (pool, started_at,
-        due_at) rows: ``finish_succeeded``'s counting where the store reads the rows."""
-        lags: dict[str, list[float]] = {}
-        for pool, started_at, due_at in rows:
-            lags.setdefault(pool, []).append(max(started_at - due_at, 0.0))
-        for pool, values in lags.items():
-            self.add_counters(tx, pool, worker_id, minute_of(now), Counters.successes(values))
 
     def occupancy(self, tx: Tx, pool: str) -> tuple[int, int | None]:
         row = self.q(

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from workpool.core.errors import InvalidArgumentError, StoreUnavailableError
-from workpool.store.base import Finishing, Tx, Watcher
+from workpool.store.base import Counters, Finishing, Tx, Watcher, minute_of
 from workpool.store.sql import SqlStore
 from workpool.store.sql_reads import IN_CHUNK, storable
 from workpool.store.sqlite.migrations import MIGRATIONS
@@ -397,6 +397,7 @@ class SqliteStore(SqlStore):
         self, tx: Tx, wanted: dict[str, tuple[int, str]], now: float, worker_id: str
     ) -> Callable[[], list[str]]:
         live: list[tuple[str, str]] = []
+        counted: list[tuple[str, float, float]] = []
         for chunk in self.iter_chunks(sorted(storable(list(wanted))), IN_CHUNK):
             marks = ", ".join("?" * len(chunk))
             rows = self.q(
@@ -407,7 +408,8 @@ class SqliteStore(SqlStore):
             ).fetchall()
             rows = [r for r in rows if wanted[r[0]][0] == r[1]]
             live += [(r[0], wanted[r[0]][1]) for r in rows]
-            self._count_successes(tx, worker_id, now, [r[2:] for r in rows])
+            counted += [r[2:] for r in rows]
+        self._count_successes(tx, worker_id, now, counted)
         self._executemany(
             tx,
             self._sql(
@@ -423,6 +425,17 @@ class SqliteStore(SqlStore):
         )
         done = [work_id for work_id, _ in live]
         return lambda: done
+
+    def _count_successes(
+        self, tx: Tx, worker_id: str, now: float, rows: Sequence[Sequence[Any]]
+    ) -> None:
+        """Add successes to the worker's counters, from their (pool, started_at,
+        due_at) rows. (PostgreSQL counts them in the finishing statement itself.)"""
+        lags: dict[str, list[float]] = {}
+        for pool, started_at, due_at in rows:
+            lags.setdefault(pool, []).append(max(started_at - due_at, 0.0))
+        for pool, values in lags.items():
+            self.add_counters(tx, pool, worker_id, minute_of(now), Counters.successes(values))
 
     def prune(self, tx: Tx, pool: str, before: float, limit: int) -> int:
         ids = [
