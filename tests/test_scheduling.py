@@ -9,6 +9,7 @@ import pytest
 
 import workpool
 from conftest import Recorder, assert_pool_empty, run_until_idle
+from workpool.runtime.worker import Worker, WorkerOptions
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -190,3 +191,18 @@ def test_until_idle_waits_for_scheduled_work(app, job, rec: Recorder):
     pool.enqueue_action(job, run_after=0.7)
     run_until_idle(app, timeout=20)
     assert len(rec.calls) == 1, "scheduled work counts as not idle"
+
+
+@pytest.mark.parametrize("pools", [None, ["new"]], ids=["all-pools", "named-pool"])
+def test_a_worker_wakes_for_work_scheduled_in_a_pool_created_after_it_started(app, job, pools):
+    # The worker's last claim read no config of the new pool; waking for its first
+    # work at the idle poll instead of at its due time started it up to 1 s late.
+    app.store.migrate()
+    worker = Worker(app.store, app.registry, WorkerOptions(pools=pools))
+    worker.configs = {c.name: c for c in app.store.run(app.store.load_pools, readonly=True)}
+    assert "new" not in worker.configs
+    app.pool("new").enqueue_action(job, run_after=0.5)
+    assert worker._sleep_time() == 0.0, "a pool that appeared is claimed from at once"
+    assert "new" in worker.configs
+    wait = worker._sleep_time()
+    assert 0.3 < wait <= 0.5, "then it sleeps until the work is due"

@@ -325,12 +325,25 @@ class Worker:
         return claimed, full and len(claimed) < free
 
     def _sleep_time(self) -> float:
-        served = [p for p in self.served() if p in self.configs]
-        if not served:
-            return IDLE_POLL_S
-        next_due = self.store.run(
-            lambda tx: self.store.next_due(tx, served), readonly=True, snapshot=False
-        )
+        """How long to sleep: until the next due work, at most ``IDLE_POLL_S``.
+
+        The configs are read again here: work scheduled in a pool created since the
+        last claim (which is what reads them otherwise) is due at a time only this
+        read can see, and polling would start it up to ``IDLE_POLL_S`` late.
+        """
+        active = self._active_pools()
+
+        def read(tx: Tx) -> tuple[list[PoolConfig], float | None]:
+            configs = self.store.load_pools(tx)
+            names = {c.name for c in configs}
+            pools = self.options.pools if self.options.pools is not None else sorted(names)
+            served = [p for p in pools if p in names]
+            return configs, self.store.next_due(tx, served) if served else None
+
+        configs, next_due = self.store.run(read, readonly=True, snapshot=False)
+        self.configs = {c.name: c for c in configs}
+        if self._active_pools() != active:
+            return 0.0  # a pool created or resumed since the claim: claim from it now
         now = self.clock()
         if next_due is None or next_due <= now:
             # Nothing due, or due work that the claim just left: its pool is at its
