@@ -213,8 +213,8 @@ def test_max_parallelism_of_the_wrong_type(app, value):
 
 @pytest.mark.parametrize(
     "retry",
-    ["yes", 3, 1.0, {"max_attempts": 3}, [True]],
-    ids=["str", "int", "float", "dict", "list"],
+    ["yes", 3, 1.0, {"max_attempts": 3}, [True], 10**5000],
+    ids=["str", "int", "float", "dict", "list", "int-too-long-to-print"],
 )
 def test_wrong_retry_values(app, fns, rec, retry):
     pool = app.pool("bad")

@@ -91,4 +91,6 @@ def resolve_retry(
         return None
     if isinstance(option, RetryBehavior):
         return option
-    raise InvalidTypeError(f"retry must be True, False, None or a RetryBehavior, got {option!r}")
+    raise InvalidTypeError(
+        f"retry must be True, False, None or a RetryBehavior, got {show(option)}"
+    )
