@@ -111,7 +111,13 @@ def test_conflicting_mutations_are_retried_transparently(app, store_url, rec: Re
     pool = app.pool("bank", max_parallelism=8)
     args = [{"first": 1, "second": 2} if i % 2 else {"first": 2, "second": 1} for i in range(16)]
     wids = pool.enqueue_mutation_batch(transfer, args)
-    run_until_idle(app, concurrency=8, timeout=60)
+    # Deadlocks need transactions at once: a worker runs the mutations of one claim
+    # in one transaction, so four workers claim one each.
+    workers = [WorkerThread(app, until_idle=True, concurrency=1, lease=2.0) for _ in range(4)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
 
     results = pool.status_batch(wids)
     if schema:  # the scenario must really have produced deadlocks to prove anything

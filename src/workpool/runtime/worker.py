@@ -21,7 +21,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from types import FrameType
@@ -41,6 +41,9 @@ _PAUSED = PoolConfig("", max_parallelism=0)
 CLAIM_BATCH = 512  # attempts claimed per pool per transaction: bounds claim latency
 COMPLETE_BATCH = 512  # action outcomes per transaction: group commit
 IDLE_POLL_S = 1.0  # longest sleep without a wake-up: covers missed notifications
+
+
+_InTx = tuple[FnSpec, ClaimedWork, dict[str, Any]]  # a mutation or query to run
 
 
 @dataclass
@@ -95,6 +98,9 @@ class Worker:
         # one whose SQL fails): their batches skip the pipeline, or every one of
         # them would run its handlers twice.
         self._unpipelined: set[str] = set()
+        # Mutations that raised here: their batches give each call a savepoint from
+        # the start, rather than roll back and run again with savepoints each time.
+        self._savepointed: set[str] = set()
         self.executor: Executor | None = None
         self.maintenance = Maintenance(self)
 
@@ -228,7 +234,10 @@ class Worker:
                 self._inflight[(work.id, work.attempt)] = _InFlight(work, deadline)
         levels = {pool: self.pool_level(pool) for pool in {work.pool for work in claimed}}
         logged = {p: level for p, level in levels.items() if events.shown(logging.INFO, level)}
+        executor = self.executor
+        assert executor is not None
         coros = []
+        in_tx: list[_InTx] = []
         for work in claimed:
             if work.pool in logged:
                 events.started(
@@ -239,12 +248,20 @@ class Worker:
                     attempt=work.attempt,
                     start_lag=work.started_at - work.due_at,
                 )
-            coro = self._start(work)
-            if coro is not None:
-                coros.append(coro)
+            prepared = self._prepare(work)
+            if prepared is None:
+                continue
+            spec, args = prepared
+            if work.kind != "action":
+                in_tx.append((spec, work, args))
+            elif spec.is_async:
+                coros.append(self._run_async(spec, work, args))
+            else:
+                executor.submit(partial(self._run_sync, spec, work, args))
         if coros:
-            assert self.executor is not None
-            self.executor.submit_async(coros)
+            executor.submit_async(coros)
+        if in_tx:  # one transaction for the claim's calls: measured best on both stores
+            executor.submit(partial(self._run_in_tx, in_tx))
 
     def _claim_in(
         self, tx: Tx, *, free: int, freed: dict[str, int] | None = None
@@ -377,10 +394,9 @@ class Worker:
             watcher.close()
 
     # --- running attempts -------------------------------------------------------------------
-    def _start(self, work: ClaimedWork) -> Coroutine[Any, Any, None] | None:
-        """Hand ``work``, already in flight, to the executor; an async action comes back
-        as a coroutine to start."""
-        assert self.executor is not None
+    def _prepare(self, work: ClaimedWork) -> tuple[FnSpec, dict[str, Any]] | None:
+        """The function and args of ``work``, already in flight; None if it cannot
+        start (it is then failed)."""
         spec = self.registry.get(work.fn_name)
         if spec is None or spec.kind != work.kind:
             reason = f"{work.kind} {work.fn_name!r} is not registered in this worker's App"
@@ -394,13 +410,7 @@ class Worker:
             reason = f"stored args are corrupt: {describe_error(exc)}"
             self._ended(work, Raised(reason, retryable=False), 0.0)
             return None
-        if work.kind == "action" and spec.is_async:
-            return self._run_async(spec, work, args)
-        if work.kind == "action":
-            self.executor.submit(lambda: self._run_sync(spec, work, args))
-        else:
-            self.executor.submit(lambda: self._run_in_tx(spec, work, args))
-        return None
+        return spec, args
 
     def _info(self, work: ClaimedWork) -> RunInfo:
         return RunInfo(work.id, work.pool, work.fn_name, work.attempt)
@@ -436,40 +446,123 @@ class Worker:
             reset_current(token)
         self._ended(work, outcome, time.monotonic() - started)
 
-    def _run_in_tx(self, spec: FnSpec, work: ClaimedWork, args: dict[str, Any]) -> None:
-        """A mutation or query: the call and its completion commit together or not at all."""
-        started = time.monotonic()
+    def _run_in_tx(self, items: list[_InTx]) -> None:
+        """Mutations and queries: each call commits with its completion, or neither does.
 
-        def body(tx: Tx) -> None:
-            current = self.store.load_for_update(tx, work.id)
-            if current is None or current.state != "running" or current.attempt != work.attempt:
-                return  # stale: rescued and re-run elsewhere
-            token = set_current(self._info(work))
-            try:
-                # A query's writes are discarded: it reads, its value goes to on_complete.
-                with self.store.savepoint(tx, keep=spec.kind == "mutation"):
-                    outcome: AttemptOutcome = _returned(spec.fn(tx, **args))
-            except BaseException as exc:
-                if self.store.is_transient(exc):
-                    raise  # the whole transaction is retried
-                outcome = Raised(describe_error(exc), retryable=False)
-            finally:
-                reset_current(token)
-            changes = Changes()
-            now = self.clock()
-            duration = time.monotonic() - started
-            self.completion.complete(tx, current, outcome, now, changes, duration)
-            changes.flush(self.store, tx, self.info.id, now)
-
+        A batch shares one transaction: one lock of its rows, one commit, and the
+        claim for the slots it frees, as the completer does for actions. A query's
+        writes are always taken back (a savepoint each). Mutations run first without
+        savepoints, which cost PostgreSQL two round trips a call; if one raises, the
+        transaction rolls back whole and runs again with a savepoint per call, so a
+        failing call takes back only its own writes.
+        """
+        keys = [(work.id, work.attempt) for _, work, _ in items]
+        look = True
         try:
-            self.store.run(body)
+            look = self._commit_calls(items, keys)
         except Exception as exc:
-            # The transaction could not commit: the lease will hand it to a rescuer.
-            events.worker_event(
-                "mutation_not_recorded", 40, work_id=work.id, error=describe_error(exc)
-            )
+            if len(items) > 1 and not self.store.is_transient(exc):
+                # The batch could not commit (a deferred constraint, say): alone, each
+                # call commits or not on its own, and a bad one cannot sink the rest.
+                for item in items:
+                    self._run_in_tx([item])
+                return
+            # Not committed: the lease hands these to a rescuer, which runs them again.
+            for _, work, _ in items:
+                events.worker_event(
+                    "mutation_not_recorded", 40, work_id=work.id, error=describe_error(exc)
+                )
         finally:
-            self._release(work)
+            with self._lock:
+                for key in keys:
+                    self._inflight.pop(key, None)
+                self._unrecorded.difference_update(keys)
+            if look or self.options.until_idle:
+                self.wake.set()
+
+    def _commit_calls(self, items: list[_InTx], keys: list[tuple[str, int]]) -> bool:
+        """Run and record ``items``, claiming for the freed slots; whether the
+        dispatcher should look for work (see ``_record``)."""
+        reserved = [0]  # local slots held for the claim, set by the last pass
+        try:
+            optimistic = not any(spec.name in self._savepointed for spec, _, _ in items)
+            known: dict[str, Raised] = {}
+            while True:
+                try:
+                    answer = self.store.run(
+                        partial(self._run_calls, items, keys, optimistic, known, reserved)
+                    )
+                    break
+                except _CallRaised as raised:
+                    optimistic = False
+                    self._savepointed.add(raised.fn_name)
+                    if raised.outcome is not None:
+                        known[raised.work_id] = raised.outcome
+            claimed, more = answer()
+            self._start_all(claimed)
+            return more or reserved[0] <= 0
+        finally:
+            self._unreserve(reserved[0])
+
+    def _run_calls(
+        self,
+        items: list[_InTx],
+        keys: list[tuple[str, int]],
+        optimistic: bool,
+        known: dict[str, Raised],
+        reserved: list[int],
+        tx: Tx,
+    ) -> Callable[[], tuple[list[ClaimedWork], bool]]:
+        """One pass of ``_run_in_tx``; ``known``: failures of calls not to make again.
+        The answer is ``_claim_in``'s."""
+        rows = self.store.load_many_for_update(tx, [work.id for _, work, _ in items])
+        changes = Changes()
+        for spec, work, args in items:
+            current = rows.get(work.id)
+            if current is None or current.state != "running" or current.attempt != work.attempt:
+                continue  # stale: rescued and re-run elsewhere
+            started = time.monotonic()
+            outcome = known.get(work.id) or self._call(spec, work, args, tx, optimistic)
+            duration = time.monotonic() - started
+            self.completion.complete(tx, current, outcome, self.clock(), changes, duration)
+        # The calls are done: their slots are for the claim below, and the dispatcher
+        # waits for it. Not before: while slow calls run, it claims for other slots.
+        with self._lock:
+            for key in keys:
+                self._inflight.pop(key, None)
+            self._unrecorded.update(keys)
+        self._unreserve(reserved[0])
+        reserved[0] = 0 if self.stopping.is_set() else self._reserve()
+        now = self.clock()
+        changes.write_rows(self.store, tx, now, at_commit=True)
+        freed, requeued = changes.freed(), changes.requeued()
+        changes.flush(self.store, tx, self.info.id, now, wake=False, rows=False)
+        if requeued:
+            self.store.notify(tx, sorted(requeued))
+        return self._claim_in(tx, free=reserved[0], freed=freed)
+
+    def _call(
+        self, spec: FnSpec, work: ClaimedWork, args: dict[str, Any], tx: Tx, optimistic: bool
+    ) -> AttemptOutcome:
+        token = set_current(self._info(work))
+        try:
+            if optimistic and spec.kind == "mutation":
+                return _returned(spec.fn(tx, **args))
+            # A query's writes are discarded: it reads, its value goes to on_complete.
+            with self.store.savepoint(tx, keep=spec.kind == "mutation"):
+                return _returned(spec.fn(tx, **args))
+        except BaseException as exc:
+            if self.store.is_transient(exc):
+                raise  # the whole transaction is retried
+            failed = Raised(describe_error(exc), retryable=False)
+            if optimistic and spec.kind == "mutation":
+                # A database error may be an earlier call's, which caught it and went
+                # on in an aborted transaction: the redo, with savepoints, tells.
+                blamed = None if self.completion.from_database(exc) else failed
+                raise _CallRaised(work.id, spec.name, blamed) from exc
+            return failed
+        finally:
+            reset_current(token)
 
     def _report(self, work: ClaimedWork, outcome: AttemptOutcome, duration: float) -> None:
         """Queue an action's outcome for the completer; the first report of an attempt wins."""
@@ -483,7 +576,7 @@ class Worker:
 
     def _ended(self, work: ClaimedWork, outcome: AttemptOutcome, duration: float) -> None:
         """An attempt ended without a transaction of its own (an action returned, or
-        it could not start): ``_report`` and ``_release`` under one lock.
+        it could not start): ``_report`` and the release of its slot under one lock.
 
         The dispatcher is not woken: the completer claims for this slot when it
         records the outcome, and wakes it then.
@@ -498,11 +591,6 @@ class Worker:
             self._outcomes.put((work, outcome, duration))
         else:
             self.wake.set()  # reported at its timeout, recorded since: the slot is free now
-
-    def _release(self, work: ClaimedWork) -> None:
-        with self._lock:
-            self._inflight.pop((work.id, work.attempt), None)
-        self.wake.set()
 
     def inflight_keys(self) -> set[tuple[str, int]]:
         """Attempts this worker is running or has outcomes of that are not yet recorded."""
@@ -710,7 +798,8 @@ class Worker:
         deadline = time.monotonic() + self.options.shutdown_grace
         while time.monotonic() < deadline and not self.force.is_set():
             with self._lock:
-                if not self._inflight:
+                # Recording too: a batch of mutations may be committing its calls.
+                if not self._inflight and not self._unrecorded:
                     break
             time.sleep(0.01)
         self._outcomes.put(None)
@@ -743,6 +832,20 @@ def _returned(value: object) -> AttemptOutcome:
     except (TypeError, ValueError) as exc:
         return Raised(f"return value is not JSON-serialisable: {exc}", retryable=False)
     return Succeeded(value, encoded)
+
+
+class _CallRaised(Exception):
+    """A mutation raised in a pass without savepoints: roll back, redo with them.
+
+    ``outcome`` is its recorded failure, or None when the redo must call it again
+    to learn whose error it was.
+    """
+
+    def __init__(self, work_id: str, fn_name: str, outcome: Raised | None) -> None:
+        super().__init__(work_id)
+        self.work_id = work_id
+        self.fn_name = fn_name
+        self.outcome = outcome
 
 
 def _timed_out(seconds: float) -> Raised:
