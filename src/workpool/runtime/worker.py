@@ -533,13 +533,23 @@ class Worker:
             self._unrecorded.update(keys)
         self._unreserve(reserved[0])
         reserved[0] = 0 if self.stopping.is_set() else self._reserve()
-        now = self.clock()
+        return self._write_and_claim(tx, changes, self.clock(), reserved[0])
+
+    def _write_and_claim(
+        self, tx: Tx, changes: Changes, now: float, free: int
+    ) -> Callable[[], tuple[list[ClaimedWork], bool]]:
+        """Write ``changes`` with the COMMIT and claim up to ``free`` attempts after
+        them, so the claim's running count has the slots they freed; the answer is
+        ``_claim_in``'s. Used by every transaction that ends attempts in a worker."""
         changes.write_rows(self.store, tx, now, at_commit=True)
         freed, requeued = changes.freed(), changes.requeued()
         changes.flush(self.store, tx, self.info.id, now, wake=False, rows=False)
         if requeued:
             self.store.notify(tx, sorted(requeued))
-        return self._claim_in(tx, free=reserved[0], freed=freed)
+        # Other workers are woken for retries, and for freed slots only where this
+        # claim may leave them empty while work is due: otherwise every finish
+        # would send them to the claim lock for nothing.
+        return self._claim_in(tx, free=free, freed=freed)
 
     def _call(
         self, spec: FnSpec, work: ClaimedWork, args: dict[str, Any], tx: Tx, optimistic: bool
@@ -760,15 +770,7 @@ class Worker:
         log = None
         if simple:
             log = self.completion.finish_succeeded(tx, simple, now, changes, self.info.id)
-        changes.write_rows(self.store, tx, now, at_commit=True)
-        freed, requeued = changes.freed(), changes.requeued()
-        changes.flush(self.store, tx, self.info.id, now, wake=False, rows=False)
-        if requeued:
-            self.store.notify(tx, sorted(requeued))
-        # Other workers are woken for retries, and for freed slots only where this
-        # claim may leave them empty while work is due: otherwise every finish
-        # would send them to the claim lock for nothing.
-        claim = self._claim_in(tx, free=free, freed=freed)
+        claim = self._write_and_claim(tx, changes, now, free)
 
         def answer() -> tuple[list[ClaimedWork], bool]:
             if log is not None:
