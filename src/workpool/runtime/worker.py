@@ -11,6 +11,7 @@ Threads of one worker process (each loop owns its own store connection):
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import os
@@ -20,7 +21,6 @@ import socket
 import threading
 import time
 import uuid
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -93,6 +93,7 @@ class Worker:
         self._unrecorded: set[tuple[str, int]] = set()  # outcomes queued or being written
         self._reserved = 0  # local slots held by a claim in progress (dispatcher, completer)
         self._dry = False  # the dispatcher's last claim found nothing
+        self._turns = itertools.count()  # which pool a claim's shares start from
         # Actions whose on_complete work met a database error in a pipelined pass
         # (a handler that uses COPY or a named cursor, which a pipeline refuses, or
         # one whose SQL fails): their batches skip the pipeline, or every one of
@@ -272,10 +273,11 @@ class Worker:
 
         Answers, when the returned function is called after the COMMIT, the claimed
         attempts and whether more may be claimable now: a pool gave all that was
-        asked of it (the batch cap, not its limit or its due work, stopped the
-        claim), or the configs read here show a pool to claim from that this claim
-        skipped. The usual claim (one pool, one batch) reads nothing before then:
-        PostgreSQL claims with the COMMIT, in its round trip.
+        asked of it (its share or the batch cap, not its limit or its due work,
+        stopped the claim), a pool with work got no share, or the configs read here
+        show a pool to claim from that this claim skipped. Every claim runs with the
+        COMMIT, in its round trip on PostgreSQL; a worker of one pool reads nothing
+        before it, one of many pools reads which have work (``claim_rooms``).
         """
         freed = freed or {}
         if free <= 0:
@@ -288,28 +290,40 @@ class Worker:
         # (created, resumed) is claimed from at once: ``more``.
         configs = self.store.load_pools_later(tx)
         served = self._active_pools()
-        if len(served) == 1 and free <= CLAIM_BATCH:
-            # One claim, whose answer decides nothing here: it cannot leave more to
-            # claim that the batch cap kept back. It runs after this transaction's
-            # finishes, so the pool's limit has room for the slots they freed: it
-            # refills them all unless it runs out of due work (then no other worker
-            # needs them) or of local slots (then the others are woken).
-            pool = served[0]
-            later = self.store.claim_later(tx, pool, free, self.info.id, self.clock())
-            full = False
-            unfilled = sorted(p for p, n in freed.items() if p != pool or n > free)
+        now = self.clock()
+        if len(served) == 1:
+            # The usual claim, whose pool needs no read first: on PostgreSQL it runs
+            # after this transaction's finishes, with the COMMIT, so the pool's limit
+            # has room for the slots they freed.
+            rooms = {served[0]: free}
         else:
-            got, full = self._claim_from(tx, served, free) if served else ([], False)
-            later = partial(list, got)
-            refilled = Counter(work.pool for work in got)
-            unfilled = sorted(p for p, n in freed.items() if n > refilled[p])
+            # With many pools, one read finds those with due work and room (counting
+            # the slots this transaction frees), so no claim lock is taken for a pool
+            # that has nothing to give and the free slots are shared among the rest.
+            # A worker of all pools reads them all: no list of every pool's name.
+            pools = None if self.options.pools is None else served
+            found = self.store.claim_rooms(tx, pools, now) if served else {}
+            rooms = {p: n + freed.get(p, 0) for p, n in found.items()}
+        asks = _shares({p: min(n, CLAIM_BATCH) for p, n in rooms.items()}, free, next(self._turns))
+        # Every claim goes with the COMMIT, in the one global lock order (sorted).
+        claims = [
+            (p, n, self.store.claim_later(tx, p, n, self.info.id, now))
+            for p, n in sorted(asks.items())
+        ]
+        unfilled = sorted(p for p, n in freed.items() if n > asks.get(p, 0))
         if unfilled:
             self.store.notify(tx, unfilled)
+        skipped = any(n > 0 and p not in asks for p, n in rooms.items())
 
         def answer() -> tuple[list[ClaimedWork], bool]:
-            claimed = later()
+            got = [(p, n, later()) for p, n, later in claims]
+            claimed = [work for _, _, works in got for work in works]
             self.configs = {c.name: c for c in configs()}
-            return claimed, full or self._active_pools() != served
+            # More may be due in a pool that gave all it was asked while it had room
+            # for more (the share or the batch cap stopped it), or that got no share.
+            cut = any(len(works) == n < rooms[p] for p, n, works in got)
+            short = len(claimed) < free and (skipped or cut)
+            return claimed, short or self._active_pools() != served
 
         return answer
 
@@ -317,29 +331,6 @@ class Worker:
         """The served pools that are not paused, sorted: pool claim locks are taken in
         this one global order, so two workers can never deadlock on them."""
         return sorted(p for p in self.served() if self.configs.get(p, _PAUSED).max_parallelism)
-
-    def _claim_from(self, tx: Tx, served: list[str], free: int) -> tuple[list[ClaimedWork], bool]:
-        now = self.clock()
-        claimed: list[ClaimedWork] = []
-        share = max(1, free // len(served))
-        hungry = []
-        for name in served:  # a fair share each first ...
-            room = min(free - len(claimed), share, CLAIM_BATCH)
-            if room <= 0:
-                break
-            got = self.store.claim(tx, name, room, self.info.id, now)
-            claimed += got
-            if len(got) == room:
-                hungry.append(name)
-        full = bool(hungry)  # some pool's last claim got all it asked for
-        for name in hungry:  # ... then what is left to those with more due (locks held)
-            room = min(free - len(claimed), CLAIM_BATCH)
-            if room <= 0:
-                break
-            got = self.store.claim(tx, name, room, self.info.id, now)
-            claimed += got
-            full = len(got) == room
-        return claimed, full and len(claimed) < free
 
     def _sleep_time(self) -> float:
         """How long to sleep: until the next due work, at most ``IDLE_POLL_S``.
@@ -824,6 +815,30 @@ class Worker:
 
 
 _RETURNED_NONE = Succeeded(None, "null")
+
+
+def _shares(rooms: dict[str, int], free: int, turn: int) -> dict[str, int]:
+    """Split ``free`` slots among pools with ``rooms`` (the most each may take):
+    evenly, what one cannot take going to the others, and the remainder to the
+    pools from the ``turn``-th on, so a worker with fewer slots than pools with work
+    serves them all in turn."""
+    names = sorted(p for p, n in rooms.items() if n > 0)
+    if names:
+        start = turn % len(names)
+        names = names[start:] + names[:start]
+    asks = dict.fromkeys(names, 0)
+    left = free
+    while left > 0 and names:
+        each = max(1, left // len(names))
+        for name in list(names):
+            take = min(each, rooms[name] - asks[name], left)
+            asks[name] += take
+            left -= take
+            if asks[name] == rooms[name]:
+                names.remove(name)
+            if left == 0:
+                break
+    return {p: n for p, n in asks.items() if n > 0}
 
 
 def _returned(value: object) -> AttemptOutcome:

@@ -412,6 +412,12 @@ class Store(abc.ABC):
         """The active row, locked against concurrent completers until ``tx`` ends."""
 
     @abc.abstractmethod
+    def claim_rooms(self, tx: Tx, pools: Sequence[str] | None, now: float) -> dict[str, int]:
+        """The pools among ``pools`` (None: all) that are not paused and have due work,
+        each with its free slots (``max_parallelism`` minus running, maybe <= 0): one
+        read that tells a worker of many pools which claims could get work."""
+
+    @abc.abstractmethod
     def claimable(self, tx: Tx, pools: Sequence[str] | None, now: float) -> bool:
         """Whether a claim in one of ``pools`` (None: all) would get work now: a cheap
         read that lets a worker skip the claim lock while its pools are full."""

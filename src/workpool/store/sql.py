@@ -336,6 +336,23 @@ class SqlStore(SqlReads, Store):
         the store may claim with the COMMIT (``claim_later``)."""
         raise NotImplementedError
 
+    def claim_rooms(self, tx: Tx, pools: Sequence[str] | None, now: float) -> dict[str, int]:
+        names = [] if pools is None else storable(pools)
+        if pools is not None and not names:
+            return {}
+        where = "" if pools is None else f" AND p.name IN ({', '.join('?' * len(names))})"
+        rows = self.q(
+            tx,
+            "SELECT p.name, p.max_parallelism - (SELECT count(*) FROM {s}work r"
+            " WHERE r.pool = p.name AND r.state = 'running') FROM {s}pools p"
+            " WHERE p.max_parallelism > 0"
+            + where
+            + " AND EXISTS (SELECT 1 FROM {s}work w WHERE w.pool = p.name"
+            " AND w.state = 'pending' AND w.due_at <= ?)",
+            (*names, now),
+        ).fetchall()
+        return {name: int(room) for name, room in rows}
+
     def claimable(self, tx: Tx, pools: Sequence[str] | None, now: float) -> bool:
         names = [] if pools is None else storable(pools)
         if pools is not None and not names:

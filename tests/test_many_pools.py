@@ -1,0 +1,97 @@
+"""A worker serving many pools: one read finds the pools with due work and room,
+its free slots are shared among them in turn, and every limit holds."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from conftest import Recorder, WorkerThread, run_until_idle
+from workpool.runtime.worker import _shares
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_claim_rooms_names_pools_with_due_work_and_their_free_slots(app):
+    @app.action(name="nap")
+    def nap() -> None:
+        return None
+
+    store = app.store
+
+    def rooms(pools):
+        return store.run(lambda tx: store.claim_rooms(tx, pools, time.time()))
+
+    full = app.pool("full", max_parallelism=1)
+    full.enqueue_action_batch(nap, [{}, {}])
+    roomy = app.pool("roomy", max_parallelism=5)
+    roomy.enqueue_action(nap)
+    later = app.pool("later", max_parallelism=5)
+    later.enqueue_action(nap, run_after=3600)
+    app.pool("empty", max_parallelism=5)
+    names = ["empty", "full", "later", "nobody", "roomy"]
+    assert rooms(names) == {"full": 1, "roomy": 5} == rooms(None)
+    assert store.run(lambda tx: store.claim(tx, "full", 10, "w", time.time() + 1))
+    assert rooms(names) == {"full": 0, "roomy": 5}, "a full pool with due work has no room"
+    roomy.pause()
+    assert rooms(names) == {"full": 0} == rooms(None)
+    assert rooms([]) == {}
+
+
+def test_shares_split_the_free_slots_evenly_and_in_turn():
+    rooms = {"a": 512, "b": 512, "c": 2}
+    assert _shares(rooms, 10, 0) == {"a": 4, "b": 4, "c": 2}, "what c cannot take goes on"
+    assert _shares(rooms, 1000, 0) == {"a": 499, "b": 499, "c": 2}
+    assert _shares(rooms, 2000, 0) == rooms
+    assert _shares({"a": 0, "b": 3}, 5, 0) == {"b": 3}
+    many = {f"p{i}": 100 for i in range(5)}
+    assert _shares(many, 2, 0) == {"p0": 1, "p1": 1}
+    assert _shares(many, 2, 1) == {"p1": 1, "p2": 1}
+    assert _shares(many, 2, 4) == {"p4": 1, "p0": 1}
+    assert _shares({}, 5, 3) == {}
+
+
+def test_fewer_slots_than_pools_with_work_serve_every_pool_in_turn(app, rec: Recorder):
+    """Two slots, six pools of six jobs: every pool starts work before any pool has
+    started all of its own. A worker that refilled its slots from the first pools
+    in name order would drain them before the others started."""
+
+    @app.action(name="step")
+    def step(pool: str) -> None:
+        rec.add(pool=pool)
+        time.sleep(0.02)
+
+    names = [f"p{i}" for i in range(6)]
+    for name in names:
+        app.pool(name, max_parallelism=100).enqueue_action_batch(step, [{"pool": name}] * 6)
+    run_until_idle(app, concurrency=2)
+
+    order = rec.values("pool")
+    assert len(order) == 36
+    first_drained = next(i for i in range(36) if order[: i + 1].count(order[i]) == 6)
+    assert set(order[:first_drained]) == set(names), order
+
+
+def test_many_limited_pools_hold_every_limit_across_workers(app):
+    """Twelve pools of limit 2 served by two workers of 12 slots, as many as the
+    limits allow: claims and the refills in the transactions that record outcomes
+    share the slots among the pools, every pool reaches its limit, none exceeds it."""
+    recs = {f"q{i:02d}": Recorder() for i in range(12)}
+
+    @app.action(name="hold")
+    def hold(pool: str) -> None:
+        recs[pool].enter()
+        time.sleep(0.05)
+        recs[pool].leave()
+
+    for name in recs:
+        app.pool(name, max_parallelism=2).enqueue_action_batch(hold, [{"pool": name}] * 6)
+
+    workers = [WorkerThread(app, until_idle=True, concurrency=12, lease=2.0) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+    assert {name: r.max_active for name, r in recs.items()} == dict.fromkeys(recs, 2)
+    assert all(len(r.calls) == 6 for r in recs.values())
