@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
 from typing import Any
 
 import workpool
+from conftest import run_until_idle
+from workpool.store.base import NewWork, PoolConfig
 
 
 def test_declared_limit_does_not_undo_a_run_time_pause(app: Any, store_url: str) -> None:
@@ -41,3 +45,52 @@ def test_resume_without_a_pause_uses_the_default_limit(app: Any) -> None:
     pool.configure()
     assert pool.stats().paused
     assert pool.resume().max_parallelism == 10
+
+
+def test_an_enqueue_follows_config_changed_by_another_client(app: Any, store_url: str) -> None:
+    """A Pool enqueues with the config it last saw only while the store still holds
+    it: a change made elsewhere, or a deleted pool row, sends it back to read."""
+    attempts: dict[str, int] = {}
+
+    @app.action(name="fails")
+    def fails() -> None:
+        wid = workpool.current().work_id
+        attempts[wid] = attempts.get(wid, 0) + 1
+        raise RuntimeError("no")
+
+    pool = app.pool("mail")
+    before = pool.enqueue_action(fails)
+    operator = workpool.App(store_url)
+    try:
+        operator.pool("mail").configure(
+            retry_actions_by_default=True,
+            default_retry=workpool.RetryBehavior(max_attempts=3, initial_backoff=0.001, base=1.0),
+        )
+    finally:
+        operator.close()
+    after = pool.enqueue_action(fails)
+    store = app.store
+    with app.transaction() as tx:
+        tx.execute(store._sql("DELETE FROM {s}pools WHERE name = ?"), ("mail",))
+    recreated = pool.enqueue_action(fails)
+    run_until_idle(app)
+    assert attempts == {before: 1, after: 3, recreated: 1}
+    assert [c.name for c in store.run(store.load_pools)] == ["mail"]
+
+
+def test_insert_work_if_inserts_only_while_the_config_is_the_stored_one(app: Any) -> None:
+    store = app.store
+    config = app.pool("q", max_parallelism=4).configure()
+    now = time.time()
+
+    def item(wid: str) -> NewWork:
+        return NewWork(wid, "q", "action", "f", "{}", None, None, None, None, now, now)
+
+    def insert(ids: list[str], config: PoolConfig) -> bool:
+        return store.run(lambda tx: store.insert_work_if(tx, [item(i) for i in ids], config))()
+
+    assert insert(["a1", "a2"], config)
+    assert not insert(["b1"], replace(config, max_parallelism=5)), "a changed config"
+    assert not insert(["c1"], replace(config, name="x")), "a pool with no row"
+    known = store.run(lambda tx: store.statuses(tx, ["a1", "a2", "b1", "c1"]))
+    assert sorted(known) == ["a1", "a2"]

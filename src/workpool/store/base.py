@@ -393,6 +393,18 @@ class Store(abc.ABC):
         """Insert new pending work. ``at_commit``: nothing in ``tx`` reads these rows
         back, so the store may send the insert with the COMMIT (``Tx.defer``)."""
 
+    def insert_work_if(
+        self, tx: Tx, items: Sequence[NewWork], config: PoolConfig
+    ) -> Callable[[], bool]:
+        """``insert_work`` with the COMMIT, only if the pool's stored config is still
+        ``config`` (the one the items were made with); whether it was, answered after
+        the COMMIT. PostgreSQL checks in the insert itself: an enqueue whose caller
+        knows the config is one round trip."""
+        ok = self.load_pool(tx, config.name) == config
+        if ok:
+            self.insert_work(tx, items, at_commit=True)
+        return lambda: ok
+
     @abc.abstractmethod
     def claim(self, tx: Tx, pool: str, limit: int, worker_id: str, now: float) -> list[ClaimedWork]:
         """Start up to ``limit`` due attempts without exceeding the pool's stored

@@ -199,7 +199,6 @@ class SqlStore(SqlReads, Store):
         return [self._pool(row) for row in rows.fetchall()]
 
     def save_pool(self, tx: Tx, config: PoolConfig) -> None:
-        retry = config.default_retry
         self.q(
             tx,
             f"INSERT INTO {{s}}pools ({self._POOL_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
@@ -208,17 +207,23 @@ class SqlStore(SqlReads, Store):
             " max_attempts = excluded.max_attempts, initial_backoff = excluded.initial_backoff,"
             " base = excluded.base, log_level = excluded.log_level,"
             " status_ttl = excluded.status_ttl, paused_from = excluded.paused_from",
-            (
-                config.name,
-                config.max_parallelism,
-                int(config.retry_actions_by_default),
-                retry.max_attempts,
-                retry.initial_backoff,
-                retry.base,
-                config.log_level,
-                config.status_ttl,
-                config.paused_from,
-            ),
+            self._pool_params(config),
+        )
+
+    @staticmethod
+    def _pool_params(config: PoolConfig) -> tuple[Any, ...]:
+        """``config`` as the values of ``_POOL_COLUMNS``."""
+        retry = config.default_retry
+        return (
+            config.name,
+            config.max_parallelism,
+            int(config.retry_actions_by_default),
+            retry.max_attempts,
+            retry.initial_backoff,
+            retry.base,
+            config.log_level,
+            config.status_ttl,
+            config.paused_from,
         )
 
     def take_turn(self, tx: Tx, pool: str, duty: str, now: float, every: float) -> bool:

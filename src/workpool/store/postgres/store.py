@@ -22,6 +22,7 @@ from workpool.store.base import (
     ActiveWork,
     Finishing,
     Handing,
+    NewWork,
     PoolConfig,
     Retrying,
     Tx,
@@ -146,7 +147,7 @@ class PostgresStore(SqlStore):
         except ValueError:
             raise InvalidArgumentError(f"pool_size in {url!r} must be an int") from None
         self._conn_pool: psycopg_pool.ConnectionPool | None = None
-        self._insert_sql: dict[tuple[bool, tuple[str | None, ...]], str] = {}
+        self._insert_sql: dict[tuple[bool, str, tuple[str | None, ...]], str] = {}
         self._conn_pool_lock = threading.Lock()
         self._migrated = False
 
@@ -391,11 +392,39 @@ class PostgresStore(SqlStore):
     )
 
     def _insert_rows(self, tx: Tx, rows: list[tuple[Any, ...]], at_commit: bool) -> None:
+        if rows:
+            sql, params = self._insert_statement(tx, rows)
+            self._write(tx, sql, params, at_commit=at_commit)  # at commit: one round trip less
+
+    # The pool's config, as _POOL_COLUMNS, compared whole: any change sends the
+    # enqueue back to read it (one transaction more), never past a stale one.
+    _SAME_POOL = (
+        "SELECT EXISTS (SELECT 1 FROM {p}pools WHERE (name, max_parallelism,"
+        " retry_actions_by_default, max_attempts, initial_backoff, base, log_level,"
+        " status_ttl, paused_from) IS NOT DISTINCT FROM (%s::text, %s::int, %s::smallint,"
+        " %s::int, %s::float8, %s::float8, %s::text, %s::float8, %s::int)) AS same"
+    )
+
+    def insert_work_if(
+        self, tx: Tx, items: Sequence[NewWork], config: PoolConfig
+    ) -> Callable[[], bool]:
+        # The check and the insert are one statement, sent with the COMMIT: with the
+        # BEGIN that has not been sent either, the whole enqueue is one round trip.
+        rows = self._work_rows(items)
+        if not rows:
+            return lambda: True
+        insert, params = self._insert_statement(tx, rows, " WHERE (SELECT same FROM ok)")
+        sql = f"WITH ok AS ({self._SAME_POOL.format(p=self.table_prefix)}), new AS ({insert})"
+        params = [*self._pool_params(config), *params]
+        check = tx.defer(sql + " SELECT same FROM ok", params, rows=True)
+        return lambda: bool(check.rows[0][0])
+
+    def _insert_statement(
+        self, tx: Tx, rows: list[tuple[Any, ...]], where: str = ""
+    ) -> tuple[str, list[Any]]:
         # One statement over arrays instead of one per row: a batch of 1,000 is one
         # round trip and one plan. Columns equal in every row (pool, function, times
         # of a batch) go as one value, not as an array of 1,000 copies.
-        if not rows:
-            return
         columns = list(zip(*rows, strict=True))
         many = len(rows) > 1
         # Per column: None for one value, else the array expression and its parameter.
@@ -404,7 +433,7 @@ class PostgresStore(SqlStore):
             for column, (_, kind) in zip(columns, self._INSERTED, strict=True)
         ]
         exprs = tuple(None if shape is None else shape[0] for shape in shapes)
-        sql = self._insert_sql.get((tx.retrying, exprs))
+        sql = self._insert_sql.get((tx.retrying, where, exprs))
         if sql is None:
             # A retry after an ambiguous commit (connection lost) must not fail on the
             # ids the first try may have written; a first try need not pay for the
@@ -416,17 +445,17 @@ class PostgresStore(SqlStore):
             values = ", ".join(
                 f"%b::{kind}" if expr is None else name for (name, kind), expr in cols
             )
-            sql = self._insert_sql[tx.retrying, exprs] = (
+            sql = self._insert_sql[tx.retrying, where, exprs] = (
                 f"INSERT INTO {self.table_prefix}work (id, pool, kind, fn_name, args, on_complete,"
                 " context, retry, timeout, due_at, enqueued_at, state, attempt, cancel_requested,"
                 f" handler_failures, lost_count) SELECT {values}, 'pending', 0, 0, 0, 0"
-                f" FROM unnest({arrays}) AS t({names}){conflict}"
+                f" FROM unnest({arrays}) AS t({names}){where}{conflict}"
             )
         # The SELECT list's single values come first in the statement, then the arrays.
         pairs = list(zip(columns, shapes, strict=True))
         params = [c[0] for c, shape in pairs if shape is None]
         params += [shape[1] for _, shape in pairs if shape is not None]
-        self._write(tx, sql, params, at_commit=at_commit)  # at commit: one round trip less
+        return sql, params
 
     def _write(self, tx: Tx, sql: str, params: Sequence[Any], *, at_commit: bool) -> None:
         """A statement whose result nobody reads: at once, or with the COMMIT."""
