@@ -19,6 +19,7 @@ import workpool
 from conftest import (
     Recorder,
     background_worker,
+    finished,
     holds_for,
     pg_schema_of,
     ph,
@@ -222,3 +223,23 @@ def test_a_live_workers_claim_it_never_heard_of_is_adopted_and_runs_once(app):
         wait_for(lambda: pool.status(wid).state == "finished", timeout=20)
     assert pool.status(wid) == workpool.Finished(workpool.Success("ran"))
     assert len(runs) == 1, runs
+
+
+def test_work_longer_than_the_lease_is_not_rescued_while_its_worker_lives(app, rec):
+    """Leases are renewed while the attempt runs: a job four times the lease long,
+    watched by a second worker that would rescue it on expiry, runs once."""
+
+    @app.action(name="long")
+    def long() -> str:
+        rec.add(attempt=workpool.current().attempt)
+        time.sleep(4.0)
+        return "done"
+
+    pool = app.pool("long")
+    wid = pool.enqueue_action(long, retry=FAST)
+    with background_worker(app, lease=1.0, concurrency=1):
+        wait_for(lambda: rec.calls, timeout=10)
+        with background_worker(app, lease=1.0, concurrency=1):
+            wait_for(lambda: finished(pool, wid), timeout=20)
+    assert pool.status(wid) == workpool.Finished(workpool.Success("done"))
+    assert rec.values("attempt") == [1]
