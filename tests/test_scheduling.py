@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta, timezone
 import pytest
 
 import workpool
-from conftest import Recorder, assert_pool_empty, run_until_idle
+from conftest import Recorder, assert_pool_empty, background_worker, run_until_idle, wait_for
 from workpool.runtime.worker import Worker, WorkerOptions
 
 pytestmark = pytest.mark.timeout(120)
@@ -206,3 +206,44 @@ def test_a_worker_wakes_for_work_scheduled_in_a_pool_created_after_it_started(ap
     assert "new" in worker.configs
     wait = worker._sleep_time()
     assert 0.3 < wait <= 0.5, "then it sleeps until the work is due"
+
+
+def test_work_due_while_every_slot_was_busy_starts_on_time(app, rec: Recorder):
+    """A worker woken while all its slots are busy waits for a slot to free. When
+    the attempt that frees it ends before the next work is due, the worker must
+    still wake at that due time: sleeping the 1 s idle poll instead started it
+    most of a second late on PostgreSQL (SQLite's commit probe hid it)."""
+
+    @app.action(name="hold")
+    def hold() -> None:
+        rec.add(kind="hold")
+        time.sleep(0.15)
+
+    @app.action(name="due")
+    def due(at: float) -> None:
+        rec.add(kind="due", late=time.time() - at)
+
+    pool = app.pool("busy")
+    with background_worker(app, concurrency=1):
+        pool.enqueue_action(hold)
+        wait_for(lambda: rec.count(kind="hold"), timeout=10)
+        at = time.time() + 0.3
+        pool.enqueue_action(due, {"at": at}, run_at=at)  # its NOTIFY finds no free slot
+        wait_for(lambda: rec.count(kind="due"), timeout=10)
+    late = rec.values("late")[-1]
+    assert late < 0.5, f"started {late:.2f} s after it was due"
+
+
+def test_due_work_held_by_a_full_pool_does_not_hide_later_work(app, job):
+    """The worker sleeps until the next work that is not due yet: due work that a
+    full pool holds back must not make it sleep the whole idle poll instead."""
+    app.store.migrate()
+    full = app.pool("full", max_parallelism=1)
+    full.enqueue_action_batch(job, [{"i": 1}, {"i": 2}])
+    store = app.store
+    assert store.run(lambda tx: store.claim(tx, "full", 5, "w", time.time()))
+    app.pool("soon").enqueue_action(job, run_after=0.5)
+    worker = Worker(app.store, app.registry, WorkerOptions())
+    worker.configs = {c.name: c for c in app.store.run(app.store.load_pools, readonly=True)}
+    wait = worker._sleep_time()
+    assert 0.3 < wait <= 0.5, f"slept {wait:.2f} s"

@@ -93,6 +93,8 @@ class Worker:
         self._unrecorded: set[tuple[str, int]] = set()  # outcomes queued or being written
         self._reserved = 0  # local slots held by a claim in progress (dispatcher, completer)
         self._dry = False  # the dispatcher's last claim found nothing
+        self._parked = False  # the dispatcher sleeps the idle poll until the completer wakes it
+        self._recheck = False  # it is woken only to look, not to claim
         self._turns = itertools.count()  # which pool a claim's shares start from
         # Actions whose on_complete work met a database error in a pipelined pass
         # (a handler that uses COPY or a named cursor, which a pipeline refuses, or
@@ -177,20 +179,23 @@ class Worker:
     def _dispatch_once(self) -> float | None:
         """Claim and start what fits; how long to wait for a wake-up (None: idle, leave)."""
         with self._lock:
-            recording = bool(self._unrecorded)
-        if recording:
+            recheck, self._recheck = self._recheck, False
             # The completer claims for the freed slots in the transaction that records
             # these outcomes, then wakes us: a claim of our own now would only compete.
-            return IDLE_POLL_S
-        free = self._reserve()
+            # With every slot busy, a finishing attempt's record wakes us. Either way
+            # we are parked: the completer must wake us even if its claim found all
+            # there was, to compute when the next work is due.
+            free = 0 if self._unrecorded else self._reserve_locked()
+            self._parked = free <= 0
         if free <= 0:
-            return IDLE_POLL_S  # a finishing attempt wakes us
+            return IDLE_POLL_S
         claimed: list[ClaimedWork] = []
         more = False
         try:
-            # After a claim that found nothing, look before taking the store's write
-            # lock: a worker whose pools are full must not make the busy ones wait.
-            look = self._dry and self.store.look_before_claim
+            # After a claim that found nothing, or when the completer's claim just took
+            # all there was, look before taking the claim lock: a worker whose pools are
+            # full must not make the busy ones wait.
+            look = (self._dry and self.store.look_before_claim) or recheck
             if not look or self.store.run(self._claimable, readonly=True, snapshot=False):
                 claimed, more = self.store.run(lambda tx: self._claim_in(tx, free=free))()
                 self._start_all(claimed)
@@ -211,10 +216,12 @@ class Worker:
     def _reserve(self) -> int:
         """Hold every free local slot for one claim; how many."""
         with self._lock:
-            free = self.options.concurrency - len(self._inflight) - self._reserved
-            free = max(free, 0)
-            self._reserved += free
-            return free
+            return self._reserve_locked()
+
+    def _reserve_locked(self) -> int:
+        free = max(self.options.concurrency - len(self._inflight) - self._reserved, 0)
+        self._reserved += free
+        return free
 
     def _unreserve(self, count: int) -> None:
         with self._lock:
@@ -341,24 +348,25 @@ class Worker:
         """
         active = self._active_pools()
 
+        now = self.clock()
+
         def read(tx: Tx) -> tuple[list[PoolConfig], float | None]:
             configs = self.store.load_pools(tx)
             names = {c.name for c in configs}
             pools = self.options.pools if self.options.pools is not None else sorted(names)
             served = [p for p in pools if p in names]
-            return configs, self.store.next_due(tx, served) if served else None
+            return configs, self.store.next_due(tx, served, now) if served else None
 
         configs, next_due = self.store.run(read, readonly=True, snapshot=False)
         self.configs = {c.name: c for c in configs}
         if self._active_pools() != active:
             return 0.0  # a pool created or resumed since the claim: claim from it now
-        now = self.clock()
-        if next_due is None or next_due <= now:
-            # Nothing due, or due work that the claim just left: its pool is at its
-            # limit or paused. What changes that (a slot freed and not refilled, a
+        if next_due is None:
+            # Nothing due later. Due work that the claim left is held by a pool at its
+            # limit or paused: what changes that (a slot freed and not refilled, a
             # resume, a new limit) wakes us; polling would only hammer the claim lock.
             return IDLE_POLL_S
-        return min(max(next_due - now, 0.001), IDLE_POLL_S)
+        return min(max(next_due - self.clock(), 0.001), IDLE_POLL_S)
 
     def _idle(self) -> bool:
         with self._lock:
@@ -635,13 +643,16 @@ class Worker:
                 look = self._record(batch, free)
             finally:
                 self._unreserve(free)
+            # The dispatcher may have waited for this record. When the claim above took
+            # all the pools would give, a claim of its own would find nothing and, on
+            # PostgreSQL, hold the claim lock that other workers' completers wait for:
+            # it only looks (a read) and then sleeps until the next work is due.
             with self._lock:
                 self._unrecorded.difference_update((w.id, w.attempt) for w, _, _ in batch)
-            # The dispatcher waited for this record. When the claim above took all the
-            # pools would give, it stays asleep: a claim of its own would find nothing
-            # and, on PostgreSQL, hold the claim lock that other workers' completers
-            # wait for. Whatever changes that (a freed slot, new work) wakes it.
-            if look or self.options.until_idle:
+                wake = look or self.options.until_idle or self._parked
+                if not look and self._parked:
+                    self._recheck = True
+            if wake:
                 self.wake.set()
 
     def _record(

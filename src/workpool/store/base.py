@@ -552,7 +552,8 @@ class Store(abc.ABC):
     def active_count(self, tx: Tx, pools: Sequence[str]) -> int: ...
 
     @abc.abstractmethod
-    def next_due(self, tx: Tx, pools: Sequence[str]) -> float | None: ...
+    def next_due(self, tx: Tx, pools: Sequence[str], after: float) -> float | None:
+        """The earliest time after ``after`` at which work of ``pools`` falls due."""
 
     def iter_chunks(self, items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
         for start in range(0, len(items), size):

@@ -524,13 +524,13 @@ class SqlStore(SqlReads, Store):
         cur = self.q(tx, "DELETE FROM {s}workers WHERE expires_at < ?", (now - 3600.0,))
         return int(cur.rowcount)
 
-    def next_due(self, tx: Tx, pools: Sequence[str]) -> float | None:
+    def next_due(self, tx: Tx, pools: Sequence[str], after: float) -> float | None:
         # One min() per (pool, state): each is a single index probe, where a min over
         # an IN list would scan every pending row.
         parts = " UNION ALL ".join(
-            "SELECT min(due_at) AS due FROM {s}work WHERE pool = ? AND state = ?"
+            "SELECT min(due_at) AS due FROM {s}work WHERE pool = ? AND state = ? AND due_at > ?"
             for _ in range(2 * len(pools))
         )
-        params = [v for pool in pools for v in (pool, "pending", pool, "completing")]
+        params = [v for pool in pools for v in (pool, "pending", after, pool, "completing", after)]
         row = self.q(tx, f"SELECT min(due) FROM ({parts}) AS d", params).fetchone()
         return None if row[0] is None else float(row[0])
