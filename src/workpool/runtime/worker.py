@@ -347,7 +347,6 @@ class Worker:
         read can see, and polling would start it up to ``IDLE_POLL_S`` late.
         """
         active = self._active_pools()
-
         now = self.clock()
 
         def read(tx: Tx) -> tuple[list[PoolConfig], float | None]:

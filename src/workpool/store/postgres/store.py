@@ -399,10 +399,9 @@ class PostgresStore(SqlStore):
     # The pool's config, as _POOL_COLUMNS, compared whole: any change sends the
     # enqueue back to read it (one transaction more), never past a stale one.
     _SAME_POOL = (
-        "SELECT EXISTS (SELECT 1 FROM {p}pools WHERE (name, max_parallelism,"
-        " retry_actions_by_default, max_attempts, initial_backoff, base, log_level,"
-        " status_ttl, paused_from) IS NOT DISTINCT FROM (%s::text, %s::int, %s::smallint,"
-        " %s::int, %s::float8, %s::float8, %s::text, %s::float8, %s::int)) AS same"
+        f"SELECT EXISTS (SELECT 1 FROM {{p}}pools WHERE ({SqlStore._POOL_COLUMNS})"
+        " IS NOT DISTINCT FROM (%s::text, %s::int, %s::smallint, %s::int, %s::float8,"
+        " %s::float8, %s::text, %s::float8, %s::int)) AS same"
     )
 
     def insert_work_if(
