@@ -79,8 +79,17 @@ def test_an_enqueue_follows_config_changed_by_another_client(app: Any, store_url
 
 
 def test_insert_work_if_inserts_only_while_the_config_is_the_stored_one(app: Any) -> None:
+    """Every option set, with floats that do not round: the config a Pool keeps must
+    pass the check, or every enqueue would quietly take two transactions."""
     store = app.store
-    config = app.pool("q", max_parallelism=4).configure()
+    pool = app.pool("q")
+    config = pool.configure(
+        max_parallelism=4,
+        retry_actions_by_default=True,
+        default_retry=workpool.RetryBehavior(max_attempts=5, initial_backoff=0.3, base=1.7),
+        log_level="DEBUG",
+        status_ttl=3600.1,
+    )
     now = time.time()
 
     def item(wid: str) -> NewWork:
@@ -90,7 +99,8 @@ def test_insert_work_if_inserts_only_while_the_config_is_the_stored_one(app: Any
         return store.run(lambda tx: store.insert_work_if(tx, [item(i) for i in ids], config))()
 
     assert insert(["a1", "a2"], config)
+    assert insert(["a3"], pool.pause()), "a paused pool: paused_from set"
     assert not insert(["b1"], replace(config, max_parallelism=5)), "a changed config"
     assert not insert(["c1"], replace(config, name="x")), "a pool with no row"
-    known = store.run(lambda tx: store.statuses(tx, ["a1", "a2", "b1", "c1"]))
-    assert sorted(known) == ["a1", "a2"]
+    known = store.run(lambda tx: store.statuses(tx, ["a1", "a2", "a3", "b1", "c1"]))
+    assert sorted(known) == ["a1", "a2", "a3"]
