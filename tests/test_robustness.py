@@ -350,3 +350,31 @@ def test_an_enqueue_retried_after_an_ambiguous_commit_writes_each_item_once(app,
         ]
     assert sorted(ids) == sorted(i.id for i in items)
     assert [app.inspect(i.id).args for i in items] == [{}] * 5  # type: ignore[union-attr]
+
+
+def test_many_apps_opening_a_new_store_at_once_all_open_it(store_url, tmp_path):
+    """Processes started together (a worker and a web app, say) open and migrate a
+    new store at the same moment. On SQLite, switching a new file to WAL answered
+    "database is locked" at once, without waiting like any other lock, to all but
+    one of them."""
+    urls = [store_url]
+    if store_kind(store_url) == "sqlite":  # a fresh file per round: the race is at creation
+        urls += [f"sqlite:///{tmp_path / f'round{i}.db'}" for i in range(14)]
+    errors: list[str] = []
+    for url in urls:
+
+        def open_and_use(url: str = url) -> None:
+            app = workpool.App(url)
+            try:
+                app.pool("p").stats()
+            except Exception as exc:
+                errors.append(repr(exc))
+            finally:
+                app.close()
+
+        threads = [threading.Thread(target=open_and_use) for _ in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    assert errors == []

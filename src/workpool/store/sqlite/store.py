@@ -27,6 +27,24 @@ _WORK_COLUMNS = (0, 1, 2, 3, 5, 7, 8, 9, 10)
 CHANGE_POLL_S = 0.002  # data_version probe interval while idle: ~2 ms wake-up latency
 
 
+def _use_wal(conn: sqlite3.Connection) -> None:
+    """Put the file in WAL mode. Switching a new file takes an exclusive lock, and
+    while another connection switches it SQLite answers "database is locked" at
+    once, without its busy handler: processes that open a new store together wait
+    here the way they wait for any other lock."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    delay = 0.001
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
 class SqliteStore(SqlStore):
     look_before_claim = True
 
@@ -54,7 +72,7 @@ class SqliteStore(SqlStore):
                 isolation_level=None,
                 check_same_thread=False,
             )
-            conn.execute("PRAGMA journal_mode=WAL")
+            _use_wal(conn)
             conn.execute(f"PRAGMA synchronous={self.synchronous}")
         except sqlite3.Error as exc:
             raise StoreUnavailableError(f"cannot open {self.url}: {exc}") from exc
