@@ -378,3 +378,23 @@ def test_many_apps_opening_a_new_store_at_once_all_open_it(store_url, tmp_path):
         for thread in threads:
             thread.join(60)
     assert errors == []
+
+
+def test_stop_workers_stops_a_worker_that_is_still_starting(app, monkeypatch):
+    # A worker's startup reads the store; a stop asked meanwhile (a test's teardown,
+    # a shutdown hook) must not be lost, or that worker serves on forever.
+    entered, go_on = threading.Event(), threading.Event()
+    migrate = app._migrate
+
+    def slow_migrate() -> None:
+        entered.set()
+        go_on.wait(10)
+        migrate()
+
+    monkeypatch.setattr(app, "_migrate", slow_migrate)
+    worker = WorkerThread(app, lease=2.0).start()
+    assert entered.wait(10)
+    app.stop_workers()
+    go_on.set()
+    worker.join(10)
+

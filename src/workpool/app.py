@@ -45,6 +45,10 @@ class App:
         self.completion = Completion(self.store, self.registry, self._pool_level)
         self._pools: dict[str, Pool] = {}
         self._workers: set[Worker] = set()
+        # run_worker calls still building their Worker: a stop_workers meanwhile is
+        # kept here for them (their startup reads the store, which may take a while).
+        self._starting: set[threading.Event] = set()
+        self._workers_lock = threading.Lock()
         self._ready = False
         self._ready_lock = threading.Lock()
 
@@ -177,8 +181,18 @@ class App:
         ``until_idle=True`` returns once the served pools hold no pending, running
         or completing work; a paused pool counts as idle.
         """
-        worker = self._worker(pools, concurrency, until_idle, lease, shutdown_grace)
-        self._workers.add(worker)
+        asked_to_stop = threading.Event()
+        with self._workers_lock:
+            self._starting.add(asked_to_stop)
+        try:
+            worker = self._worker(pools, concurrency, until_idle, lease, shutdown_grace)
+        finally:
+            with self._workers_lock:
+                self._starting.discard(asked_to_stop)
+        with self._workers_lock:
+            self._workers.add(worker)
+            if asked_to_stop.is_set():
+                worker.stop()
         try:
             worker.run()
         finally:
@@ -203,9 +217,13 @@ class App:
         )
 
     def stop_workers(self) -> None:
-        """Ask this App's running workers to stop claiming and leave gracefully."""
-        for worker in list(self._workers):
-            worker.stop()
+        """Ask this App's running workers to stop claiming and leave gracefully;
+        workers still starting stop as soon as they have started."""
+        with self._workers_lock:
+            for asked in self._starting:
+                asked.set()
+            for worker in self._workers:
+                worker.stop()
 
     def _worker(
         self,
