@@ -19,6 +19,7 @@ from conftest import (
     UserTable,
     WorkerThread,
     assert_pool_empty,
+    background_worker,
     holds_for,
     pg_schema_of,
     run_until_idle,
@@ -398,3 +399,26 @@ def test_stop_workers_stops_a_worker_that_is_still_starting(app, monkeypatch):
     go_on.set()
     worker.join(10)
 
+
+def test_until_idle_returns_soon_after_another_workers_last_work_ends(app, rec: Recorder):
+    # The other worker's finish frees a slot with nothing due, which wakes nobody:
+    # the worker run until idle must not wait out its one-second idle poll for it.
+    release = threading.Event()
+
+    @app.action(name="held")
+    def held() -> None:
+        rec.add()
+        release.wait(10)
+
+    pool = app.pool("handover")
+    wid = pool.enqueue_action(held)
+    with background_worker(app):
+        wait_for(lambda: rec.calls, timeout=10)
+        idle = WorkerThread(app, until_idle=True, lease=2.0).start()
+        time.sleep(0.2)  # it found nothing to claim and sleeps
+        released = time.monotonic()
+        release.set()
+        idle.join(10)
+        returned = time.monotonic() - released
+    assert pool.status(wid).state == "finished"
+    assert returned < 0.6, f"returned {returned:.2f} s after the last work ended"

@@ -41,6 +41,10 @@ _PAUSED = PoolConfig("", max_parallelism=0)
 CLAIM_BATCH = 512  # attempts claimed per pool per transaction: bounds claim latency
 COMPLETE_BATCH = 512  # action outcomes per transaction: group commit
 IDLE_POLL_S = 1.0  # longest sleep without a wake-up: covers missed notifications
+# The longest a stop waits for the watcher thread, and the poll of a worker run until
+# idle while another worker's work runs: that work's end wakes nobody when it frees
+# slots with no work due, so an idle exit would otherwise wait out IDLE_POLL_S.
+SHORT_POLL_S = 0.05
 
 
 _InTx = tuple[FnSpec, ClaimedWork, dict[str, Any]]  # a mutation or query to run
@@ -206,8 +210,10 @@ class Worker:
             return 0.0
         # A claim that got less than it asked for took all that was due (or all the
         # limits allow): another one now would find nothing.
-        if self.options.until_idle and self._idle():
-            return None
+        if self.options.until_idle:
+            if self._idle():
+                return None
+            return min(self._sleep_time(), SHORT_POLL_S)
         return self._sleep_time()
 
     def _claimable(self, tx: Tx) -> bool:
@@ -383,7 +389,7 @@ class Worker:
         while not self.stopping.is_set():
             try:
                 watcher = watcher or self.store.watcher()
-                if watcher.wait(0.25):
+                if watcher.wait(SHORT_POLL_S):
                     self.wake.set()
             except Exception as exc:
                 events.worker_event("watch_failed", 30, error=describe_error(exc))
