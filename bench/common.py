@@ -74,6 +74,34 @@ def pg_drop_stale() -> list[str]:
     return dropped
 
 
+def pg_checkpoint() -> None:
+    """Write out what earlier trials left dirty in PostgreSQL's buffers, so that a
+    checkpoint does not land inside the next trial's timing (best effort)."""
+    try:
+        with pg_admin() as conn:
+            conn.execute("CHECKPOINT")
+    except Exception as exc:
+        print(f"warning: CHECKPOINT failed: {exc}", file=sys.stderr)
+
+
+def cpu_busy(seconds: float) -> float | None:
+    """The share of all CPUs busy over the next ``seconds`` (None where /proc/stat is
+    missing): idle and iowait count as not busy."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+        return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+
+    try:
+        busy0, all0 = sample()
+        time.sleep(seconds)
+        busy1, all1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    return (busy1 - busy0) / max(all1 - all0, 1)
+
+
 def pg_available() -> bool:
     try:
         with pg_admin() as conn:

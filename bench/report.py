@@ -285,6 +285,14 @@ def print_report(
         f"machine load (1-min average): {load[0]} at start, {load[1]} max at a trial start"
         f" (includes this run's own trials), {load[2]} at end, on {meta['cpus']} CPUs"
     )
+    settle = meta.get("settle")
+    if settle:
+        lines.append(
+            "before each trial: a PostgreSQL CHECKPOINT, then a wait for CPUs under"
+            f" {settle['quiet_busy']:.0%} busy (median {settle['wait_median_s']:.1f} s,"
+            f" max {settle['wait_max_s']:.1f} s; {settle['not_quiet']} trial(s) started"
+            " on a machine that did not quiet down)"
+        )
     if (load[0] or 0) > 0.5 * (meta["cpus"] or 1):
         lines.append(
             "WARNING: other processes used the CPUs when this run started: absolute numbers"

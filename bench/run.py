@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Any
 
-from common import BENCH_DIR, pg_available, pg_drop_stale
+from common import BENCH_DIR, cpu_busy, pg_available, pg_checkpoint, pg_drop_stale
 from report import build_summary, plot, print_report, versions
 from systems import SYSTEMS, system_class
 
@@ -81,7 +81,39 @@ def trial_timeout(workload: str, params: dict[str, Any]) -> float:
     return 240.0
 
 
-def run_trial(system: str, workload: str, params: dict[str, Any], verbose: bool) -> dict[str, Any]:
+QUIET_BUSY = 0.15  # a trial starts once the CPUs were this idle for QUIET_WINDOW_S ...
+QUIET_WINDOW_S = 0.5
+QUIET_MAX_S = 15.0  # ... or after this long: a machine that never quiets still gets measured
+
+
+def settle(postgres: bool) -> tuple[float, float | None]:
+    """Let the previous trial's after-effects pass before the next one starts: a
+    PostgreSQL checkpoint, then a wait for quiet CPUs. Without it a trial could run
+    beside a late checkpoint or the exit of the last trial's processes, and the
+    noise lands on whichever system comes next. (seconds waited, last busy share)"""
+    t = time.monotonic()
+    if postgres:
+        pg_checkpoint()
+    busy = cpu_busy(QUIET_WINDOW_S)
+    while busy is not None and busy > QUIET_BUSY and time.monotonic() - t < QUIET_MAX_S:
+        busy = cpu_busy(QUIET_WINDOW_S)
+    return time.monotonic() - t, busy
+
+
+def settle_summary(trials: list[dict[str, Any]]) -> dict[str, Any]:
+    waits = sorted(t["result"].get("_settle_s", 0.0) for t in trials)
+    busy = [t["result"].get("_busy_before") for t in trials]
+    return {
+        "quiet_busy": QUIET_BUSY,
+        "wait_median_s": waits[len(waits) // 2] if waits else 0.0,
+        "wait_max_s": waits[-1] if waits else 0.0,
+        "not_quiet": sum(1 for b in busy if b is not None and b > QUIET_BUSY),
+    }
+
+
+def run_trial(
+    system: str, workload: str, params: dict[str, Any], verbose: bool, postgres: bool
+) -> dict[str, Any]:
     timeout = trial_timeout(workload, params)
     spec = {
         "system": system,
@@ -93,6 +125,7 @@ def run_trial(system: str, workload: str, params: dict[str, Any], verbose: bool)
     }
     env = dict(os.environ)
     env["PYTHONPATH"] = str(BENCH_DIR) + os.pathsep + env.get("PYTHONPATH", "")
+    settled_s, busy = settle(postgres)
     t = time.monotonic()
     load = os.getloadavg()[0]  # 1-minute load average as the trial starts
     try:
@@ -115,6 +148,8 @@ def run_trial(system: str, workload: str, params: dict[str, Any], verbose: bool)
             print(err[-3000:], file=sys.stderr)
     result["_wall_s"] = round(time.monotonic() - t, 2)
     result["_load"] = round(load, 2)
+    result["_settle_s"] = round(settled_s, 2)
+    result["_busy_before"] = None if busy is None else round(busy, 3)
     return result
 
 
@@ -172,7 +207,8 @@ def main() -> None:
             file=sys.stderr,
         )
 
-    if pg_available():
+    postgres = pg_available()
+    if postgres:
         for name in pg_drop_stale():
             print(f"dropped stale database {name}", file=sys.stderr)
     started = time.time()
@@ -189,7 +225,7 @@ def main() -> None:
                 continue
             for s in systems:
                 t = time.monotonic()
-                res = run_trial(s, w, params[w], args.verbose)
+                res = run_trial(s, w, params[w], args.verbose, postgres)
                 trials.append({"system": s, "workload": w, "repeat": r, "result": res})
                 brief = "n/a: " + res["na"] if "na" in res else res.get("error") or "ok"
                 print(
@@ -215,6 +251,7 @@ def main() -> None:
             max((t["result"].get("_load", 0.0) for t in trials), default=0.0), 2
         ),
         "notes": {s: system_class(s).notes for s in systems},
+        "settle": settle_summary(trials),
     }
     text, targets = print_report(summary, systems, workloads, meta)
     print(text)
