@@ -39,6 +39,39 @@ def test_claim_rooms_names_pools_with_due_work_and_their_free_slots(app):
     assert rooms([]) == {}
 
 
+def test_claim_many_claims_each_pool_within_its_ask_and_its_limit(app):
+    """One claim over several pools (on PostgreSQL, one statement for all of them):
+    each pool gives at most what it was asked, what its limit leaves and what is
+    due, oldest due first; a paused pool and an unknown pool give nothing."""
+
+    @app.action(name="nap")
+    def nap() -> None:
+        return None
+
+    store = app.store
+    now = time.time()
+    wide = app.pool("wide", max_parallelism=10)
+    wide_ids = wide.enqueue_action_batch(nap, [{}] * 6)
+    narrow = app.pool("narrow", max_parallelism=2)
+    narrow.enqueue_action_batch(nap, [{}] * 5)
+    assert store.run(lambda tx: store.claim(tx, "narrow", 1, "other", now + 1))
+    app.pool("later", max_parallelism=5).enqueue_action(nap, run_after=3600)
+    paused = app.pool("paused", max_parallelism=5)
+    paused.enqueue_action(nap)
+    paused.pause()
+    asks = {"wide": 4, "narrow": 4, "later": 4, "paused": 4, "nobody": 4}
+
+    got = store.run(lambda tx: store.claim_many_later(tx, asks, "w", now + 1))()
+    assert sorted(got) == sorted(asks)
+    assert {w.id for w in got["wide"]} == set(wide_ids[:4]), "the first enqueued go first"
+    assert len(got["narrow"]) == 1, "its limit of 2 leaves one slot beside the other claim"
+    assert got["later"] == got["paused"] == got["nobody"] == []
+    for pool, works in got.items():
+        assert all(w.pool == pool and w.attempt == 1 and w.kind == "action" for w in works)
+    running = store.run(lambda tx: store.occupancy(tx, "wide"), readonly=True)
+    assert running == (4, 10)
+
+
 def test_shares_split_the_free_slots_evenly_and_in_turn():
     rooms = {"a": 512, "b": 512, "c": 2}
     assert _shares(rooms, 10, 0) == {"a": 4, "b": 4, "c": 2}, "what c cannot take goes on"

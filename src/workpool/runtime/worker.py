@@ -319,17 +319,15 @@ class Worker:
             rooms = {p: n + freed.get(p, 0) for p, n in found.items()}
         asks = _shares({p: min(n, CLAIM_BATCH) for p, n in rooms.items()}, free, next(self._turns))
         # Every claim goes with the COMMIT, in the one global lock order (sorted).
-        claims = [
-            (p, n, self.store.claim_later(tx, p, n, self.info.id, now))
-            for p, n in sorted(asks.items())
-        ]
+        claims = self.store.claim_many_later(tx, asks, self.info.id, now)
         unfilled = sorted(p for p, n in freed.items() if n > asks.get(p, 0))
         if unfilled:
             self.store.notify(tx, unfilled)
         skipped = any(n > 0 and p not in asks for p, n in rooms.items())
 
         def answer() -> tuple[list[ClaimedWork], bool]:
-            got = [(p, n, later()) for p, n, later in claims]
+            by_pool = claims()
+            got = [(p, n, by_pool[p]) for p, n in sorted(asks.items())]
             claimed = [work for _, _, works in got for work in works]
             self.configs = {c.name: c for c in configs()}
             # More may be due in a pool that gave all it was asked while it had room

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -418,6 +418,14 @@ class Store(abc.ABC):
         lock is held for no round trip at all."""
         claimed = self.claim(tx, pool, limit, worker_id, now)
         return lambda: claimed
+
+    def claim_many_later(
+        self, tx: Tx, asks: Mapping[str, int], worker_id: str, now: float
+    ) -> Callable[[], dict[str, list[ClaimedWork]]]:
+        """``claim_later`` for each pool in ``asks`` (pool: limit), the pools' claim
+        locks taken in sorted order; answered per pool after ``tx`` committed."""
+        claims = [(p, self.claim_later(tx, p, n, worker_id, now)) for p, n in sorted(asks.items())]
+        return lambda: {p: later() for p, later in claims}
 
     @abc.abstractmethod
     def load_for_update(self, tx: Tx, work_id: str) -> ActiveWork | None:

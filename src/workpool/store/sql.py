@@ -309,21 +309,23 @@ class SqlStore(SqlReads, Store):
     def _claimed(
         pool: str, now: float, rows: Callable[[], list[Any]]
     ) -> Callable[[], list[ClaimedWork]]:
-        return lambda: [
-            ClaimedWork(
-                id=r[0],
-                pool=pool,
-                kind=r[1],
-                fn_name=r[2],
-                args=r[7],
-                attempt=int(r[3]),
-                timeout=None if r[4] is None else float(r[4]),
-                due_at=float(r[5]),
-                started_at=now,
-                has_on_complete=bool(r[6]),
-            )
-            for r in rows()
-        ]
+        return lambda: [SqlStore._claimed_work(pool, now, r) for r in rows()]
+
+    @staticmethod
+    def _claimed_work(pool: str, now: float, r: Sequence[Any]) -> ClaimedWork:
+        """A claimed row (``_claim_rows``'s columns) as the attempt it starts."""
+        return ClaimedWork(
+            id=r[0],
+            pool=pool,
+            kind=r[1],
+            fn_name=r[2],
+            args=r[7],
+            attempt=int(r[3]),
+            timeout=None if r[4] is None else float(r[4]),
+            due_at=float(r[5]),
+            started_at=now,
+            has_on_complete=bool(r[6]),
+        )
 
     def _claim_rows(
         self,

@@ -7,7 +7,7 @@ import re
 import select
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any, ClassVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -20,6 +20,7 @@ from workpool.core.errors import InvalidArgumentError, StoreUnavailableError
 from workpool.core.histogram import LAG_BOUNDS
 from workpool.store.base import (
     ActiveWork,
+    ClaimedWork,
     Finishing,
     Handing,
     NewWork,
@@ -376,6 +377,47 @@ class PostgresStore(SqlStore):
         tx.defer(self._LOCK, (self.schema, pool))
         claim = tx.defer(sql, params, rows=True)
         return lambda: claim.rows
+
+    def claim_many_later(
+        self, tx: Tx, asks: Mapping[str, int], worker_id: str, now: float
+    ) -> Callable[[], dict[str, list[ClaimedWork]]]:
+        if len(asks) < 2:
+            return super().claim_many_later(tx, asks, worker_id, now)
+        # Two statements for all the pools instead of two per pool: psycopg spends
+        # some 25 us of Python on each statement, and a worker of 50 pools used to
+        # send 80 of them with every commit. The locks come first, in a statement of
+        # their own, so the claim's snapshot (and the running counts it reads) is
+        # taken after they are granted, as with one pool.
+        pools = sorted(asks)
+        names, names_param = array_param(pools, "text")
+        limits, limits_param = array_param([asks[p] for p in pools], "int")
+        s = self.table_prefix
+        # unnest keeps the array's order: the locks are taken in sorted order.
+        tx.defer(
+            "SELECT count(pg_advisory_xact_lock(hashtext(%s), hashtext(p)))"
+            f" FROM unnest({names}) p",
+            (self.schema, names_param),
+        )
+        free = (
+            f"GREATEST(LEAST(a.n, coalesce((SELECT max_parallelism FROM {s}pools"
+            f" WHERE name = a.pool), 0) - (SELECT count(*) FROM {s}work WHERE pool = a.pool"
+            " AND state = 'running')), 0)"
+        )
+        ids = (
+            f"SELECT c.id FROM unnest({names}, {limits}) AS a(pool, n), LATERAL"
+            f" (SELECT id FROM {s}work WHERE pool = a.pool AND state = 'pending' AND due_at <= %s"
+            f" ORDER BY due_at, id LIMIT {free}{self.skip_locked}) c"
+        )
+        sql = self._sql(self._CLAIM % f"id = ANY(ARRAY({ids}))" + ", args, pool")
+        claim = tx.defer(sql, (worker_id, now, names_param, limits_param, now), rows=True)
+
+        def answer() -> dict[str, list[ClaimedWork]]:
+            got: dict[str, list[ClaimedWork]] = {p: [] for p in pools}
+            for row in claim.rows:
+                got[row[8]].append(self._claimed_work(row[8], now, row))
+            return got
+
+        return answer
 
     _INSERTED = (
         ("id", "text"),
