@@ -104,3 +104,29 @@ def test_insert_work_if_inserts_only_while_the_config_is_the_stored_one(app: Any
     assert not insert(["c1"], replace(config, name="x")), "a pool with no row"
     known = store.run(lambda tx: store.statuses(tx, ["a1", "a2", "a3", "b1", "c1"]))
     assert sorted(known) == ["a1", "a2", "a3"]
+
+
+def test_insert_work_if_wakes_the_pools_workers_only_when_it_inserts(app: Any) -> None:
+    """An enqueue is one statement on PostgreSQL: the check, the insert and the
+    notification. A worker of the pool must hear of what it inserted, and nothing
+    is announced when the check fails."""
+    store = app.store
+    config = app.pool("woken").configure(max_parallelism=3)
+    now = time.time()
+
+    def insert(wid: str, config: PoolConfig) -> bool:
+        item = NewWork(wid, "woken", "action", "f", "{}", None, None, None, None, now, now)
+        return store.run(lambda tx: store.insert_work_if(tx, [item], config, notify=True))()
+
+    watcher = store.watcher()
+    try:
+        watcher.wait(0.1)  # connects (PostgreSQL: LISTEN) and forgets what it saw
+        while watcher.wait(0.1):
+            pass
+        assert not insert("stale", replace(config, max_parallelism=4))
+        assert not watcher.wait(0.5), "a failed check announced work"
+        assert insert("fresh", config)
+        assert watcher.wait(5.0), "the insert did not wake the pool's workers"
+    finally:
+        watcher.close()
+    assert sorted(store.run(lambda tx: store.statuses(tx, ["fresh", "stale"]))) == ["fresh"]

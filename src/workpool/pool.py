@@ -395,8 +395,7 @@ class Pool:
         def body(tx: Tx, read: bool = False) -> Callable[[], PoolConfig | None]:
             known = None if read else self._known
             if alone and tx.depth == 0 and known is not None:
-                inserted = store.insert_work_if(tx, items(known), known)
-                store.notify(tx, [self.name])
+                inserted = store.insert_work_if(tx, items(known), known, notify=True)
                 return lambda: known if inserted() else None
             config = self._config(tx)
             store.insert_work(tx, items(config), at_commit=alone and tx.depth == 0)

@@ -61,12 +61,15 @@ class Tx:
     def execute(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> Any:
         return self.connection.execute(sql, params)
 
-    def defer(self, sql: str, params: Sequence[Any] = (), *, rows: bool = False) -> Deferred:
+    def defer(
+        self, sql: str, params: Sequence[Any] = (), *, rows: bool = False, alone: bool = False
+    ) -> Deferred:
         """Run a statement just before COMMIT (PostgreSQL sends them with the COMMIT
         in one round trip); at once in a transaction adopted from the caller, whose
         COMMIT the store does not send. ``rows``: keep what it returns, for reading
-        once the transaction has committed (``Deferred.rows``)."""
-        deferred = Deferred(sql, params, rows)
+        once the transaction has committed (``Deferred.rows``). ``alone``: when it is
+        the transaction's only statement, it may run as a transaction of its own."""
+        deferred = Deferred(sql, params, rows, alone)
         if self.owned:
             self.deferred.append(deferred)
         else:
@@ -77,12 +80,15 @@ class Tx:
 class Deferred:
     """A statement that waits for its transaction's COMMIT (``Tx.defer``)."""
 
-    __slots__ = ("_rows", "keep", "params", "sql")
+    __slots__ = ("_rows", "alone", "keep", "params", "sql")
 
-    def __init__(self, sql: str, params: Sequence[Any], keep: bool) -> None:
+    def __init__(self, sql: str, params: Sequence[Any], keep: bool, alone: bool = False) -> None:
         self.sql = sql
         self.params = params
         self.keep = keep
+        # It may run as a transaction of its own when it is its transaction's only
+        # statement (PostgreSQL then sends neither BEGIN nor COMMIT).
+        self.alone = alone
         self._rows: list[Any] | None = None
 
     def ran(self, cursor: Any) -> None:
@@ -394,15 +400,18 @@ class Store(abc.ABC):
         back, so the store may send the insert with the COMMIT (``Tx.defer``)."""
 
     def insert_work_if(
-        self, tx: Tx, items: Sequence[NewWork], config: PoolConfig
+        self, tx: Tx, items: Sequence[NewWork], config: PoolConfig, *, notify: bool = False
     ) -> Callable[[], bool]:
         """``insert_work`` with the COMMIT, only if the pool's stored config is still
         ``config`` (the one the items were made with); whether it was, answered after
-        the COMMIT. PostgreSQL checks in the insert itself: an enqueue whose caller
-        knows the config is one round trip."""
+        the COMMIT. ``notify``: then also wake the pool's workers (``notify``).
+        PostgreSQL checks, inserts and notifies in one statement: an enqueue whose
+        caller knows the config is one statement, a transaction of its own."""
         ok = self.load_pool(tx, config.name) == config
         if ok:
             self.insert_work(tx, items, at_commit=True)
+            if notify:
+                self.notify(tx, [config.name])
         return lambda: ok
 
     @abc.abstractmethod
