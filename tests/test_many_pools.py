@@ -128,3 +128,31 @@ def test_many_limited_pools_hold_every_limit_across_workers(app):
         worker.join(60)
     assert {name: r.max_active for name, r in recs.items()} == dict.fromkeys(recs, 2)
     assert all(len(r.calls) == 6 for r in recs.values())
+
+
+def test_next_due_answers_for_hundreds_of_pools(app):
+    """A worker of all pools asks, each time it goes idle, when the next work of any
+    of them falls due. SQLite refused the question for more than 250 pools (over
+    500 terms in one compound SELECT), so such a worker failed on every idle pass."""
+
+    @app.action(name="nap")
+    def nap() -> None:
+        return None
+
+    store = app.store
+    names = [f"n{i:03d}" for i in range(300)]
+    with app.transaction() as tx:
+        for i, name in enumerate(names):
+            pool = app.pool(name)
+            pool.enqueue_action(nap, tx=tx)  # due now: not "next"
+            pool.enqueue_action(nap, run_after=600 + i, tx=tx)
+    now = time.time()
+
+    def next_due(pools):
+        return store.run(lambda tx: store.next_due(tx, pools, now), readonly=True)
+
+    first = next_due(names)
+    assert first is not None and 590 < first - now < 610
+    assert next_due(list(reversed(names))) == first
+    assert 840 < next_due(names[250:]) - now < 860, "the earliest of the last 50 pools"
+    assert next_due(["nobody"]) is None

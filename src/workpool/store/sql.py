@@ -25,6 +25,8 @@ from workpool.store.base import (
 )
 from workpool.store.sql_reads import ACTIVE_COLUMNS, IN_CHUNK, SqlReads, active_row, storable
 
+NEXT_DUE_CHUNK = 100  # pools per next_due statement: two terms each, SQLite allows 500
+
 
 def _retry_json(retry: RetryBehavior | None) -> str | None:
     return None if retry is None else json.dumps(retry.to_json())
@@ -528,11 +530,18 @@ class SqlStore(SqlReads, Store):
 
     def next_due(self, tx: Tx, pools: Sequence[str], after: float) -> float | None:
         # One min() per (pool, state): each is a single index probe, where a min over
-        # an IN list would scan every pending row.
-        parts = " UNION ALL ".join(
-            "SELECT min(due_at) AS due FROM {s}work WHERE pool = ? AND state = ? AND due_at > ?"
-            for _ in range(2 * len(pools))
-        )
-        params = [v for pool in pools for v in (pool, "pending", after, pool, "completing", after)]
-        row = self.q(tx, f"SELECT min(due) FROM ({parts}) AS d", params).fetchone()
-        return None if row[0] is None else float(row[0])
+        # an IN list would scan every pending row. In chunks: SQLite refuses a
+        # compound SELECT of more than 500 terms (a worker of all of 251 pools failed).
+        found: list[float] = []
+        for chunk in self.iter_chunks(pools, NEXT_DUE_CHUNK):
+            parts = " UNION ALL ".join(
+                "SELECT min(due_at) AS due FROM {s}work WHERE pool = ? AND state = ? AND due_at > ?"
+                for _ in range(2 * len(chunk))
+            )
+            params = [
+                v for pool in chunk for v in (pool, "pending", after, pool, "completing", after)
+            ]
+            row = self.q(tx, f"SELECT min(due) FROM ({parts}) AS d", params).fetchone()
+            if row[0] is not None:
+                found.append(float(row[0]))
+        return min(found, default=None)

@@ -425,6 +425,22 @@ class PostgresStore(SqlStore):
 
         return answer
 
+    def next_due(self, tx: Tx, pools: Sequence[str], after: float) -> float | None:
+        # One statement text for any number of pools, one index probe per (pool,
+        # state): a UNION ALL of two terms per pool was planned anew for each number
+        # of pools, 250 ms at 500 pools, every time a worker of all pools went idle.
+        names, param = array_param(list(pools), "text")
+        s = self.table_prefix
+        row = self._x(
+            tx,
+            f"SELECT min(m.due) FROM unnest({names}) AS p(pool)"
+            " CROSS JOIN (VALUES ('pending'), ('completing')) AS st(state),"
+            f" LATERAL (SELECT due_at AS due FROM {s}work WHERE pool = p.pool"
+            " AND state = st.state AND due_at > %s ORDER BY due_at LIMIT 1) m",
+            (param, after),
+        ).fetchone()
+        return None if row[0] is None else float(row[0])
+
     _INSERTED = (
         ("id", "text"),
         ("pool", "text"),
