@@ -210,6 +210,38 @@ def test_a_worker_takes_its_first_report_turn_only_after_its_first_seconds(app, 
     assert len(events_of(caplog, "report", pool="first_report")) == 1
 
 
+def test_duties_read_once_take_only_the_turns_that_are_due(app, caplog):
+    """A worker reads when every duty is next due and takes only the due turns (each
+    turn is a write transaction); a duty with no row yet is taken, which creates it."""
+    from workpool.runtime.maintenance import REPORT_EVERY_S, REPORT_FIRST_S
+    from workpool.runtime.worker import Worker, WorkerOptions
+
+    caplog.set_level(logging.DEBUG)
+    store = app.store
+    app.pool("dutiful", max_parallelism=0).configure()
+    started = 1_000_000.0
+    start = started + REPORT_FIRST_S  # past a new worker's first seconds without reports
+    worker = Worker(store, app.registry, WorkerOptions(pools=["dutiful"]), lambda: started)
+    worker.configs = {c.name: c for c in store.run(store.load_pools)}
+
+    def reports() -> int:
+        return len(events_of(caplog, "report", pool="dutiful"))
+
+    worker.maintenance.duties("dutiful", start, store.run(store.duty_times))
+    assert reports() == 1
+    times = store.run(store.duty_times)
+    assert times[("dutiful", "report")] == start + REPORT_EVERY_S
+    assert ("dutiful", "prune") in times
+    worker.maintenance.duties("dutiful", start + 1.0, times)
+    assert reports() == 1
+    later = start + REPORT_EVERY_S
+    worker.maintenance.duties("dutiful", later, store.run(store.duty_times))
+    assert reports() == 2
+    stale = dict(times)  # read before that turn: another worker may have taken it
+    worker.maintenance.duties("dutiful", later + 1.0, stale)
+    assert reports() == 2, "a stale read only sends the worker to take_turn, which says no"
+
+
 def test_start_lag_is_start_time_minus_due_time(app, caplog):
     import time
 

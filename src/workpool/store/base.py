@@ -393,6 +393,11 @@ class Store(abc.ABC):
     def take_turn(self, tx: Tx, pool: str, duty: str, now: float, every: float) -> bool:
         """Claim a periodic duty (report, prune) for ``pool``: True for one caller per period."""
 
+    @abc.abstractmethod
+    def duty_times(self, tx: Tx) -> dict[tuple[str, str], float]:
+        """When each (pool, duty) is next due, as ``take_turn`` left it; one read for
+        all pools, so that only the due turns cost a write transaction."""
+
     # --- work -------------------------------------------------------------------------
     @abc.abstractmethod
     def insert_work(self, tx: Tx, items: Sequence[NewWork], *, at_commit: bool = False) -> None:

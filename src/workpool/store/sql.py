@@ -244,6 +244,10 @@ class SqlStore(SqlReads, Store):
         )
         return bool(cur.rowcount == 1)
 
+    def duty_times(self, tx: Tx) -> dict[tuple[str, str], float]:
+        rows = self.q(tx, "SELECT pool, duty, next_at FROM {s}duties").fetchall()
+        return {(pool, duty): float(next_at) for pool, duty, next_at in rows}
+
     # --- work ---------------------------------------------------------------------------------
     def insert_work(self, tx: Tx, items: Sequence[NewWork], *, at_commit: bool = False) -> None:
         self._insert_rows(tx, self._work_rows(items), at_commit)
