@@ -242,6 +242,37 @@ def test_duties_read_once_take_only_the_turns_that_are_due(app, caplog):
     assert reports() == 2, "a stale read only sends the worker to take_turn, which says no"
 
 
+def test_maintenance_forgets_workers_dead_for_an_hour_once_a_minute(app):
+    from workpool.runtime.maintenance import PRUNE_EVERY_S
+    from workpool.runtime.worker import Worker, WorkerOptions
+    from workpool.store.base import WorkerInfo
+
+    store = app.store
+    app.pool("tended", max_parallelism=0).configure()
+    now = 1_000_000.0
+    worker = Worker(store, app.registry, WorkerOptions(pools=["tended"]), lambda: now)
+    worker.configs = {c.name: c for c in store.run(store.load_pools)}
+
+    def workers() -> list[str]:
+        sql = f"SELECT id FROM {store.table_prefix}workers"
+        ids = [r[0] for r in store.run(lambda tx: tx.execute(sql).fetchall())]
+        return sorted(i for i in ids if i != worker.info.id)
+
+    def dead(name: str, expired_at: float) -> None:
+        info = WorkerInfo(name, "gone.example", 1)
+        store.run(lambda tx: store.heartbeat(tx, info, expired_at - 15, expired_at))
+
+    dead("an-hour-ago", now - 3601)
+    dead("a-minute-ago", now - 60)
+    worker.maintenance.tick(now)
+    assert workers() == ["a-minute-ago"], "the lost worker of a minute ago stays visible"
+    dead("an-hour-ago", now - 3601)
+    worker.maintenance.tick(now + 1.0)
+    assert workers() == ["a-minute-ago", "an-hour-ago"], "once a minute, not every pass"
+    worker.maintenance.tick(now + PRUNE_EVERY_S)
+    assert workers() == ["a-minute-ago"]
+
+
 def test_start_lag_is_start_time_minus_due_time(app, caplog):
     import time
 

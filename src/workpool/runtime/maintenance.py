@@ -51,6 +51,7 @@ class Maintenance:
             "orphans": 0.0,
             "handlers": 0.0,
             "duties": 0.0,
+            "forget": 0.0,
             # Not at start: a worker starting on a big backlog would otherwise begin
             # by vacuuming or analysing it while it should be claiming.
             "tidy": worker.clock() + TIDY_EVERY_S,
@@ -113,6 +114,9 @@ class Maintenance:
             for pool in pools:
                 self.duties(pool, now, times)
             store = self.store
+            # Once a minute per worker, not per pool: it is one DELETE for the store.
+            if self._due("forget", now, PRUNE_EVERY_S):
+                store.run(lambda tx: store.forget_dead_workers(tx, now))
             # "" is no pool name: a duty of the whole store, one worker at a time.
             if self._due("tidy", now, TIDY_EVERY_S) and store.run(
                 lambda tx: store.take_turn(tx, "", "tidy", now, TIDY_EVERY_S)
@@ -267,5 +271,4 @@ class Maintenance:
         self.store.run(
             lambda tx: self.store.prune_counters(tx, pool, int((now - COUNTER_RETENTION_S) // 60))
         )
-        self.store.run(lambda tx: self.store.forget_dead_workers(tx, now))
         return total

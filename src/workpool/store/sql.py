@@ -229,18 +229,13 @@ class SqlStore(SqlReads, Store):
         )
 
     def take_turn(self, tx: Tx, pool: str, duty: str, now: float, every: float) -> bool:
-        cur = self.q(
-            tx,
-            "UPDATE {s}duties SET next_at = ? WHERE pool = ? AND duty = ? AND next_at <= ?",
-            (now + every, pool, duty, now),
-        )
-        if cur.rowcount == 1:
-            return True
+        # One statement: a new row, or a due one moved on, is this caller's turn.
         cur = self.q(
             tx,
             "INSERT INTO {s}duties (pool, duty, next_at) VALUES (?, ?, ?)"
-            " ON CONFLICT (pool, duty) DO NOTHING",
-            (pool, duty, now + every),
+            " ON CONFLICT (pool, duty) DO UPDATE SET next_at = excluded.next_at"
+            " WHERE {s}duties.next_at <= ?",
+            (pool, duty, now + every, now),
         )
         return bool(cur.rowcount == 1)
 
