@@ -196,7 +196,8 @@ class App:
         try:
             worker.run()
         finally:
-            self._workers.discard(worker)
+            with self._workers_lock:
+                self._workers.discard(worker)
 
     async def run_worker_async(
         self,
