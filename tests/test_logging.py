@@ -242,6 +242,30 @@ def test_duties_read_once_take_only_the_turns_that_are_due(app, caplog):
     assert reports() == 2, "a stale read only sends the worker to take_turn, which says no"
 
 
+def test_a_duties_pass_takes_a_bounded_number_of_pools_longest_due_first(app):
+    """The pass runs on the heartbeat's thread: thousands of pools seen for the first
+    time (every turn due) are spread over passes instead of holding it for seconds."""
+    from workpool.runtime.maintenance import DUTY_POOLS_PER_PASS
+    from workpool.runtime.worker import Worker, WorkerOptions
+
+    store = app.store
+    names = [f"d{i:03d}" for i in range(DUTY_POOLS_PER_PASS + 50)]
+    for name in names:
+        app.pool(name, max_parallelism=0).configure()
+    now = 1_000_000.0
+    worker = Worker(store, app.registry, WorkerOptions(pools=names), lambda: now)
+    worker.configs = {c.name: c for c in store.run(store.load_pools)}
+
+    def pruned() -> set[str]:
+        return {p for (p, duty) in store.run(store.duty_times) if duty == "prune"}
+
+    worker.maintenance.tick(now)
+    first = pruned()
+    assert len(first) == DUTY_POOLS_PER_PASS
+    worker.maintenance.tick(now + 1.0)
+    assert pruned() == set(names), "the pools left out went first in the next pass"
+
+
 def test_maintenance_forgets_workers_dead_for_an_hour_once_a_minute(app):
     from workpool.runtime.maintenance import PRUNE_EVERY_S
     from workpool.runtime.worker import Worker, WorkerOptions

@@ -28,6 +28,9 @@ REPORT_EVERY_S = 60.0
 # CPU at a million pending rows: a worker starting on a big backlog claims first.
 REPORT_FIRST_S = 5.0
 PRUNE_EVERY_S = 60.0
+# Pools whose due duties one pass (a second) takes: 200 pools at 1-2 ms each keep the
+# heartbeat prompt, and serve 6,000 pools' two duties a minute from one worker.
+DUTY_POOLS_PER_PASS = 200
 BATCH = 32  # rows rescued / handlers retried per transaction
 PRUNE_BATCH = 500  # finished rows deleted per transaction
 PRUNE_MAX_BATCHES = 20  # per pool per round: a huge backlog is worked off over rounds
@@ -111,7 +114,7 @@ class Maintenance:
             # and asking for two turns of every pool each second cost an idle worker
             # of 500 pools a fifth of a core (and PostgreSQL as much again).
             times = self.store.run(self.store.duty_times, readonly=True, snapshot=False)
-            for pool in pools:
+            for pool in self._due_pools(pools, now, times):
                 self.duties(pool, now, times)
             store = self.store
             # Once a minute per worker, not per pool: it is one DELETE for the store.
@@ -221,6 +224,26 @@ class Maintenance:
         if total:
             self.worker.wake.set()
         return total
+
+    def _due_pools(
+        self, pools: list[str], now: float, times: dict[tuple[str, str], float]
+    ) -> list[str]:
+        """The pools with a duty due, longest due first, at most DUTY_POOLS_PER_PASS.
+
+        The pass runs on the thread that heartbeats: a worker meeting thousands of
+        new pools (no duty rows yet, so every turn is due) spent 3.7 s on one pass
+        over 3,000 of them, and at a few times that its lease would have expired.
+        Capped, the first sight of many pools is spread over passes; pools due
+        longest go first, so none waits for ever.
+        """
+        duties = ("prune", "report") if now >= self._report_from else ("prune",)
+        due = []
+        for pool in pools:
+            first = min(times.get((pool, duty), 0.0) for duty in duties)
+            if first <= now:
+                due.append((first, pool))
+        due.sort()
+        return [pool for _, pool in due[:DUTY_POOLS_PER_PASS]]
 
     def duties(
         self, pool: str, now: float, times: dict[tuple[str, str], float] | None = None
