@@ -41,6 +41,9 @@ _PAUSED = PoolConfig("", max_parallelism=0)
 CLAIM_BATCH = 512  # attempts claimed per pool per transaction: bounds claim latency
 COMPLETE_BATCH = 512  # action outcomes per transaction: group commit
 IDLE_POLL_S = 1.0  # longest sleep without a wake-up: covers missed notifications
+# How stale the configs a claim goes by may be (new, paused or resumed pools; log
+# levels). Limits are not among them: each claim reads its pool's under the lock.
+CONFIG_READ_S = 0.1
 # The longest a stop waits for the watcher thread, and the poll of a worker run until
 # idle while another worker's work runs: that work's end wakes nobody when it frees
 # slots with no work due, so an idle exit would otherwise wait out IDLE_POLL_S.
@@ -97,6 +100,7 @@ class Worker:
         self._unrecorded: set[tuple[str, int]] = set()  # outcomes queued or being written
         self._reserved = 0  # local slots held by a claim in progress (dispatcher, completer)
         self._dry = False  # the dispatcher's last claim found nothing
+        self._configs_due = 0.0  # when a claim reads the configs again (monotonic)
         self._parked = False  # the dispatcher sleeps the idle poll until the completer wakes it
         self._recheck = False  # it is woken only to look, not to claim
         self._turns = itertools.count()  # which pool a claim's shares start from
@@ -300,8 +304,13 @@ class Worker:
         # The configs are read with the claims, so which pools to claim from comes
         # from the previous read. That is safe: each claim reads its pool's limit
         # itself, under the claim lock. A pool that this read shows newly claimable
-        # (created, resumed) is claimed from at once: ``more``.
-        configs = self.store.load_pools_later(tx)
+        # (created, resumed) is claimed from at once: ``more``. They are read at most
+        # every CONFIG_READ_S: a claim of a worker of 3,000 pools spent more on
+        # reading and parsing every pool's config than on its work.
+        configs = None
+        if time.monotonic() >= self._configs_due:
+            self._configs_due = time.monotonic() + CONFIG_READ_S
+            configs = self.store.load_pools_later(tx)
         served = self._active_pools()
         now = self.clock()
         if len(served) == 1:
@@ -329,7 +338,8 @@ class Worker:
             by_pool = claims()
             got = [(p, n, by_pool[p]) for p, n in sorted(asks.items())]
             claimed = [work for _, _, works in got for work in works]
-            self.configs = {c.name: c for c in configs()}
+            if configs is not None:
+                self.configs = {c.name: c for c in configs()}
             # More may be due in a pool that gave all it was asked while it had room
             # for more (the share or the batch cap stopped it), or that got no share.
             cut = any(len(works) == n < rooms[p] for p, n, works in got)
