@@ -344,36 +344,43 @@ class SqlStore(SqlReads, Store):
         the store may claim with the COMMIT (``claim_later``)."""
         raise NotImplementedError
 
-    def claim_rooms(self, tx: Tx, pools: Sequence[str] | None, now: float) -> dict[str, int]:
+    # Pools' running rows, for a row ``p`` of ``pools``.
+    _RUNNING_OF_P = "(SELECT count(*) FROM {s}work r WHERE r.pool = p.name AND r.state = 'running')"
+
+    def _pools_with_due_work(self, pools: Sequence[str] | None) -> tuple[str, list[str]] | None:
+        """The FROM and WHERE of ``pools`` (all when None) that are not paused and
+        hold due pending work, as rows ``p`` (one parameter more: now), and their
+        names' parameters; None when no pool can match."""
         names = [] if pools is None else storable(pools)
         if pools is not None and not names:
-            return {}
+            return None
         where = "" if pools is None else f" AND p.name IN ({', '.join('?' * len(names))})"
-        rows = self.q(
-            tx,
-            "SELECT p.name, p.max_parallelism - (SELECT count(*) FROM {s}work r"
-            " WHERE r.pool = p.name AND r.state = 'running') FROM {s}pools p"
-            " WHERE p.max_parallelism > 0"
+        sql = (
+            " FROM {s}pools p WHERE p.max_parallelism > 0"
             + where
             + " AND EXISTS (SELECT 1 FROM {s}work w WHERE w.pool = p.name"
-            " AND w.state = 'pending' AND w.due_at <= ?)",
-            (*names, now),
+            " AND w.state = 'pending' AND w.due_at <= ?)"
+        )
+        return sql, names
+
+    def claim_rooms(self, tx: Tx, pools: Sequence[str] | None, now: float) -> dict[str, int]:
+        found = self._pools_with_due_work(pools)
+        if found is None:
+            return {}
+        sql, names = found
+        rows = self.q(
+            tx, f"SELECT p.name, p.max_parallelism - {self._RUNNING_OF_P}{sql}", (*names, now)
         ).fetchall()
         return {name: int(room) for name, room in rows}
 
     def claimable(self, tx: Tx, pools: Sequence[str] | None, now: float) -> bool:
-        names = [] if pools is None else storable(pools)
-        if pools is not None and not names:
+        found = self._pools_with_due_work(pools)
+        if found is None:
             return False
-        where = "" if pools is None else f" AND p.name IN ({', '.join('?' * len(names))})"
+        sql, names = found
         row = self.q(
             tx,
-            "SELECT EXISTS (SELECT 1 FROM {s}pools p WHERE p.max_parallelism > 0"
-            + where
-            + " AND EXISTS (SELECT 1 FROM {s}work w WHERE w.pool = p.name"
-            " AND w.state = 'pending' AND w.due_at <= ?)"
-            " AND p.max_parallelism > (SELECT count(*) FROM {s}work r WHERE r.pool = p.name"
-            " AND r.state = 'running'))",
+            f"SELECT EXISTS (SELECT 1{sql} AND p.max_parallelism > {self._RUNNING_OF_P})",
             (*names, now),
         ).fetchone()
         return bool(row[0])
