@@ -204,9 +204,9 @@ def test_a_worker_takes_its_first_report_turn_only_after_its_first_seconds(app, 
     start = 1_000_000.0
     worker = Worker(app.store, app.registry, WorkerOptions(pools=["first_report"]), lambda: start)
     worker.configs = {c.name: c for c in app.store.run(app.store.load_pools)}
-    worker.maintenance.duties("first_report", start + 1.0)
+    worker.maintenance.duties("first_report", start + 1.0, {})
     assert events_of(caplog, "report", pool="first_report") == []
-    worker.maintenance.duties("first_report", start + REPORT_FIRST_S)
+    worker.maintenance.duties("first_report", start + REPORT_FIRST_S, {})
     assert len(events_of(caplog, "report", pool="first_report")) == 1
 
 

@@ -245,15 +245,12 @@ class Maintenance:
         due.sort()
         return [pool for _, pool in due[:DUTY_POOLS_PER_PASS]]
 
-    def duties(
-        self, pool: str, now: float, times: dict[tuple[str, str], float] | None = None
-    ) -> None:
-        """Take this pool's due turns; ``times`` (``duty_times``) skips those not due:
-        without it, every turn is asked for."""
+    def duties(self, pool: str, now: float, times: dict[tuple[str, str], float]) -> None:
+        """Take this pool's due turns; ``times`` (``duty_times``) skips those not due."""
         store = self.store
 
         def due(duty: str) -> bool:
-            at = None if times is None else times.get((pool, duty))
+            at = times.get((pool, duty))
             return at is None or at <= now  # no row yet: take_turn creates it
 
         if (
