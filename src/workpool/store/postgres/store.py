@@ -362,12 +362,7 @@ class PostgresStore(SqlStore):
         # The lock, then the limit, the count and the claim in one statement whose
         # snapshot is taken after the lock is granted: exact as in SqliteStore, in one
         # round trip. (LEAST and GREATEST skip NULLs: a missing pool row must be 0.)
-        s = self.table_prefix
-        free = (
-            f"GREATEST(LEAST(%s::int, coalesce((SELECT max_parallelism FROM {s}pools"
-            f" WHERE name = %s), 0) - (SELECT count(*) FROM {s}work WHERE pool = %s"
-            " AND state = 'running')), 0)"
-        )
+        free = self._room("%s::int", "%s")
         # ANY(ARRAY(...)): with IN (...) and a limit the planner cannot read, it would
         # hash-join the picked ids against a scan of the whole table.
         ids = self._CLAIM_IDS % (free, self.skip_locked)
@@ -383,6 +378,18 @@ class PostgresStore(SqlStore):
         tx.defer(self._LOCK, (self.schema, pool))
         claim = tx.defer(sql, params, rows=True)
         return lambda: claim.rows
+
+    def _room(self, asked: str, pool: str) -> str:
+        """SQL for how many rows a claim may take: ``asked`` at most, and no more
+        than the pool's stored limit leaves beside its running rows. Both arguments
+        are SQL (placeholders or columns); ``pool`` appears twice. One expression
+        for every claim, of one pool or of many: the limit is exact in one place."""
+        s = self.table_prefix
+        return (
+            f"GREATEST(LEAST({asked}, coalesce((SELECT max_parallelism FROM {s}pools"
+            f" WHERE name = {pool}), 0) - (SELECT count(*) FROM {s}work WHERE pool = {pool}"
+            " AND state = 'running')), 0)"
+        )
 
     def claim_many_later(
         self, tx: Tx, asks: Mapping[str, int], worker_id: str, now: float
@@ -404,11 +411,7 @@ class PostgresStore(SqlStore):
             f" FROM unnest({names}) p",
             (self.schema, names_param),
         )
-        free = (
-            f"GREATEST(LEAST(a.n, coalesce((SELECT max_parallelism FROM {s}pools"
-            f" WHERE name = a.pool), 0) - (SELECT count(*) FROM {s}work WHERE pool = a.pool"
-            " AND state = 'running')), 0)"
-        )
+        free = self._room("a.n", "a.pool")
         ids = (
             f"SELECT c.id FROM unnest({names}, {limits}) AS a(pool, n), LATERAL"
             f" (SELECT id FROM {s}work WHERE pool = a.pool AND state = 'pending' AND due_at <= %s"
