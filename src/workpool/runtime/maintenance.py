@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -33,7 +34,12 @@ PRUNE_EVERY_S = 60.0
 DUTY_POOLS_PER_PASS = 200
 BATCH = 32  # rows rescued / handlers retried per transaction
 PRUNE_BATCH = 500  # finished rows deleted per transaction
-PRUNE_MAX_BATCHES = 20  # per pool per round: a huge backlog is worked off over rounds
+# Deleting per duties pass (a second), across its pools, on the thread that
+# heartbeats: each due pool still gets one batch once it is spent. A pool whose
+# expired rows outlast it takes its next turn a second later, not a minute: a
+# fixed number of rows a minute fell behind any pool finishing over 170 a second.
+PRUNE_BUDGET_S = 0.25
+PRUNE_AGAIN_S = 1.0
 COUNTER_RETENTION_S = 86_400.0
 # Claims and the running count walk index entries of rows that have since moved
 # on; until vacuum removes them each scan gets slower. Autovacuum wakes once a
@@ -114,8 +120,9 @@ class Maintenance:
             # and asking for two turns of every pool each second cost an idle worker
             # of 500 pools a fifth of a core (and PostgreSQL as much again).
             times = self.store.run(self.store.duty_times, readonly=True, snapshot=False)
+            until = time.monotonic() + PRUNE_BUDGET_S
             for pool in self._due_pools(pools, now, times):
-                self.duties(pool, now, times)
+                self.duties(pool, now, times, until)
             store = self.store
             # Once a minute per worker, not per pool: it is one DELETE for the store.
             if self._due("forget", now, PRUNE_EVERY_S):
@@ -245,8 +252,15 @@ class Maintenance:
         due.sort()
         return [pool for _, pool in due[:DUTY_POOLS_PER_PASS]]
 
-    def duties(self, pool: str, now: float, times: dict[tuple[str, str], float]) -> None:
-        """Take this pool's due turns; ``times`` (``duty_times``) skips those not due."""
+    def duties(
+        self,
+        pool: str,
+        now: float,
+        times: dict[tuple[str, str], float],
+        prune_until: float | None = None,
+    ) -> None:
+        """Take this pool's due turns; ``times`` (``duty_times``) skips those not due;
+        ``prune_until``: the pass's deleting budget ends then (``time.monotonic``)."""
         store = self.store
 
         def due(duty: str) -> bool:
@@ -265,7 +279,8 @@ class Maintenance:
             PRUNE_EVERY_S if config is None else min(PRUNE_EVERY_S, max(config.status_ttl / 2, 1.0))
         )
         if due("prune") and store.run(lambda tx: store.take_turn(tx, pool, "prune", now, every)):
-            self.prune(pool, now)
+            until = time.monotonic() + PRUNE_BUDGET_S if prune_until is None else prune_until
+            self.prune(pool, now, until)
 
     def report(self, pool: str, now: float) -> None:
         config = self.worker.configs.get(pool)
@@ -276,19 +291,25 @@ class Maintenance:
         )
         events.report(config.log_level, **stats.to_dict())
 
-    def prune(self, pool: str, now: float) -> int:
+    def prune(self, pool: str, now: float, until: float) -> int:
+        """Delete ``pool``'s expired finished rows in batches until none is left or
+        ``until`` (``time.monotonic``) has passed; then the turn comes back soon."""
         config = self.worker.configs.get(pool)
         if config is None:
             return 0
+        store = self.store
         total = 0
-        for _ in range(PRUNE_MAX_BATCHES):
-            deleted = self.store.run(
-                lambda tx: self.store.prune(tx, pool, now - config.status_ttl, PRUNE_BATCH)
+        while True:
+            deleted = store.run(
+                lambda tx: store.prune(tx, pool, now - config.status_ttl, PRUNE_BATCH)
             )
             total += deleted
             if deleted < PRUNE_BATCH:
                 break
-        self.store.run(
+            if time.monotonic() >= until:
+                store.run(lambda tx: store.set_turn(tx, pool, "prune", now + PRUNE_AGAIN_S))
+                break
+        store.run(
             lambda tx: self.store.prune_counters(tx, pool, int((now - COUNTER_RETENTION_S) // 60))
         )
         return total

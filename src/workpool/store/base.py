@@ -394,6 +394,10 @@ class Store(abc.ABC):
         """Claim a periodic duty (report, prune) for ``pool``: True for one caller per period."""
 
     @abc.abstractmethod
+    def set_turn(self, tx: Tx, pool: str, duty: str, at: float) -> None:
+        """Make ``pool``'s ``duty`` due again at ``at``, whoever took its last turn."""
+
+    @abc.abstractmethod
     def duty_times(self, tx: Tx) -> dict[tuple[str, str], float]:
         """When each (pool, duty) is next due, as ``take_turn`` left it; one read for
         all pools, so that only the due turns cost a write transaction."""

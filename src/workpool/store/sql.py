@@ -239,6 +239,13 @@ class SqlStore(SqlReads, Store):
         )
         return bool(cur.rowcount == 1)
 
+    def set_turn(self, tx: Tx, pool: str, duty: str, at: float) -> None:
+        self.q(
+            tx,
+            "UPDATE {s}duties SET next_at = ? WHERE pool = ? AND duty = ?",
+            (at, pool, duty),
+        )
+
     def duty_times(self, tx: Tx) -> dict[tuple[str, str], float]:
         rows = self.q(tx, "SELECT pool, duty, next_at FROM {s}duties").fetchall()
         return {(pool, duty): float(next_at) for pool, duty, next_at in rows}
