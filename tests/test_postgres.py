@@ -294,3 +294,36 @@ def test_on_complete_with_copy_runs_once_and_leaves_the_pipeline(pg_app: Any, pg
     assert rows == sorted(first + second)
     for wid in first + second:
         assert pool.status(wid) == workpool.Finished(workpool.Success(None))
+
+
+def test_a_worker_refreshes_statistics_that_say_the_queue_is_empty(pg_app: Any) -> None:
+    """Plans of prepared statements keep the statistics they were made with. Made
+    after a VACUUM met an empty queue, they scan the whole table once it fills (a
+    burst after an idle minute drained at a fifth of the speed), so a maintenance
+    pass checks the statistics against the table and runs ANALYZE when they are off."""
+    from workpool.runtime.worker import Worker, WorkerOptions
+
+    @pg_app.action(name="job")
+    def job(i: int) -> None:
+        pass
+
+    pool = pg_app.pool("bursty")
+    pool.stats()  # creates the schema
+    store = pg_app.store
+    table = f"{store.table_prefix}work"
+
+    def reltuples() -> float:
+        sql = "SELECT reltuples FROM pg_class WHERE oid = %s::regclass"
+        return float(store.run(lambda tx: tx.execute(sql, (table,)).fetchone()[0]))
+
+    store.tidy()  # the VACUUM (ANALYZE) of an idle queue
+    assert reltuples() == 0
+    assert not store.stats_stale(), "a near-empty table plans alike whatever they say"
+    pool.enqueue_action_batch(job, [{"i": i} for i in range(5000)], run_after=600)
+    assert store.stats_stale()
+    now = time.time()
+    worker = Worker(store, pg_app.registry, WorkerOptions(pools=["bursty"]), lambda: now)
+    worker.configs = {c.name: c for c in store.run(store.load_pools)}
+    worker.maintenance.tick(now)
+    assert reltuples() == 5000
+    assert not store.stats_stale()

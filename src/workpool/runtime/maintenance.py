@@ -45,6 +45,10 @@ COUNTER_RETENTION_S = 86_400.0
 # on; until vacuum removes them each scan gets slower. Autovacuum wakes once a
 # minute at best, so under heavy churn a worker tidies the hot table itself.
 TIDY_EVERY_S = 15.0
+# How often the hot table's statistics are checked (one catalog read) and, when
+# they no longer describe it, refreshed (one worker at a time).
+STATS_EVERY_S = 0.25
+ANALYZE_EVERY_S = 5.0
 
 
 class Maintenance:
@@ -64,6 +68,7 @@ class Maintenance:
             # Not at start: a worker starting on a big backlog would otherwise begin
             # by vacuuming or analysing it while it should be claiming.
             "tidy": worker.clock() + TIDY_EVERY_S,
+            "stats": 0.0,
         }
         self._report_from = worker.clock() + REPORT_FIRST_S
 
@@ -132,6 +137,13 @@ class Maintenance:
                 lambda tx: store.take_turn(tx, "", "tidy", now, TIDY_EVERY_S)
             ):
                 store.tidy()
+        store = self.store
+        if (
+            self._due("stats", now, STATS_EVERY_S)
+            and store.stats_stale()
+            and store.run(lambda tx: store.take_turn(tx, "", "analyze", now, ANALYZE_EVERY_S))
+        ):
+            store.analyze()
 
     def heartbeat(self, now: float) -> None:
         worker = self.worker

@@ -552,6 +552,15 @@ class Store(abc.ABC):
         """Housekeeping of the hot table between transactions (PostgreSQL: VACUUM)."""
 
     @abc.abstractmethod
+    def stats_stale(self) -> bool:
+        """Whether the planner's statistics of the hot table no longer describe it
+        (PostgreSQL: see ``PostgresStore.stats_stale``); then ``analyze`` refreshes them."""
+
+    @abc.abstractmethod
+    def analyze(self) -> None:
+        """Refresh the planner's statistics of the hot table."""
+
+    @abc.abstractmethod
     def heartbeat(self, tx: Tx, worker: WorkerInfo, now: float, expires_at: float) -> None: ...
 
     @abc.abstractmethod

@@ -34,6 +34,10 @@ from workpool.store.postgres.migrations import MIGRATIONS
 from workpool.store.sql import SqlStore
 from workpool.store.sql_reads import ACTIVE_COLUMNS, active_row, storable
 
+# ``work`` below this many pages is read whole in about the time an index probe
+# takes, whatever plan its statistics lead to: no ANALYZE for it.
+STATS_MIN_PAGES = 8
+
 SCHEMA_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 OUR_PARAMS = ("schema", "pool_size")
 DEFAULT_POOL_SIZE = 20
@@ -303,6 +307,45 @@ class PostgresStore(SqlStore):
         # autocommit mode between the explicit BEGINs of workpool transactions.
         with self._connections().connection() as conn:
             conn.execute(f"VACUUM (ANALYZE) {self.table_prefix}work")
+
+    def stats_stale(self) -> bool:
+        """Whether ``work`` has outgrown its statistics: it holds at least
+        STATS_MIN_PAGES pages while they say it is empty (a VACUUM or ANALYZE that
+        met an empty queue), or twice the pages they were taken at.
+
+        Plans of prepared statements are cached with the statistics they were made
+        with, and only a new ANALYZE or VACUUM makes them be planned again. Made
+        while the queue looked empty, they scan the table: a burst of 100,000 jobs
+        after an idle minute drained at 8.5k jobs/s instead of 48k, with claims of
+        480 ms, until autovacuum (once a minute) or the tidy (every 15 s) came by;
+        under steady load a finish planned that way took seconds and the backlog
+        grew until the next VACUUM. One catalog read, cheap enough for every pass.
+        """
+        with self._connections().connection() as conn:
+            row = conn.execute(
+                "SELECT c.reltuples, c.relpages,"
+                " pg_relation_size(c.oid) / current_setting('block_size')::int"
+                " FROM pg_class c WHERE c.oid = %s::regclass",
+                (f"{self.table_prefix}work",),
+            ).fetchone()
+        if row is None:
+            return False
+        tuples, pages, actual = float(row[0]), int(row[1]), int(row[2])
+        if actual < STATS_MIN_PAGES or tuples < 0:
+            # Never analysed (-1): the planner then estimates from the table's size.
+            return False
+        return tuples < 1 or actual > 2 * pages
+
+    def analyze(self) -> None:
+        # Inside a transaction, so that it can wait a bounded time: a VACUUM (the
+        # tidy's, or autovacuum's) holds the lock and refreshes the statistics itself.
+        with self._connections().connection() as conn:
+            try:
+                with conn.transaction():
+                    conn.execute("SET LOCAL lock_timeout = '100ms'")
+                    conn.execute(f"ANALYZE {self.table_prefix}work")
+            except pg_errors.LockNotAvailable:
+                pass
 
     def adopt(self, connection: Any) -> Tx | None:
         if isinstance(connection, psycopg.Connection):

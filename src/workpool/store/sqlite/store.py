@@ -197,6 +197,15 @@ class SqliteStore(SqlStore):
 
         self.run(optimize)
 
+    # SQLite plans each statement when it is prepared, from sqlite_stat1, which only
+    # the tidy's PRAGMA optimize writes; without it the planner assumes selective
+    # indexes, which is what every statement here wants.
+    def stats_stale(self) -> bool:
+        return False
+
+    def analyze(self) -> None:
+        self.tidy()
+
     def adopt(self, connection: Any) -> Tx | None:
         if isinstance(connection, sqlite3.Connection):
             return Tx(connection, self)
