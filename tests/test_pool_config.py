@@ -6,6 +6,8 @@ import time
 from dataclasses import replace
 from typing import Any
 
+import pytest
+
 import workpool
 from conftest import run_until_idle
 from workpool.store.base import NewWork, PoolConfig
@@ -47,9 +49,13 @@ def test_resume_without_a_pause_uses_the_default_limit(app: Any) -> None:
     assert pool.resume().max_parallelism == 10
 
 
-def test_an_enqueue_follows_config_changed_by_another_client(app: Any, store_url: str) -> None:
+@pytest.mark.parametrize("where", ["alone", "in_the_callers_transaction"])
+def test_an_enqueue_follows_config_changed_by_another_client(
+    app: Any, store_url: str, where: str
+) -> None:
     """A Pool enqueues with the config it last saw only while the store still holds
-    it: a change made elsewhere, or a deleted pool row, sends it back to read."""
+    it: a change made elsewhere, or a deleted pool row, sends it back to read. The
+    same in the caller's transaction, where the checked insert runs at once."""
     attempts: dict[str, int] = {}
 
     @app.action(name="fails")
@@ -59,7 +65,16 @@ def test_an_enqueue_follows_config_changed_by_another_client(app: Any, store_url
         raise RuntimeError("no")
 
     pool = app.pool("mail")
-    before = pool.enqueue_action(fails)
+
+    def enqueue() -> str:
+        if where == "alone":
+            return str(pool.enqueue_action(fails))
+        with app.transaction() as tx:
+            wid = pool.enqueue_action(fails, tx=tx)
+            assert pool.status(wid, tx=tx).state == "pending", "there for what follows"
+            return str(wid)
+
+    before = enqueue()
     operator = workpool.App(store_url)
     try:
         operator.pool("mail").configure(
@@ -68,11 +83,11 @@ def test_an_enqueue_follows_config_changed_by_another_client(app: Any, store_url
         )
     finally:
         operator.close()
-    after = pool.enqueue_action(fails)
+    after = enqueue()
     store = app.store
     with app.transaction() as tx:
         tx.execute(store._sql("DELETE FROM {s}pools WHERE name = ?"), ("mail",))
-    recreated = pool.enqueue_action(fails)
+    recreated = enqueue()
     run_until_idle(app)
     assert attempts == {before: 1, after: 3, recreated: 1}
     assert [c.name for c in store.run(store.load_pools)] == ["mail"]

@@ -394,11 +394,16 @@ class Pool:
 
         def body(tx: Tx, read: bool = False) -> Callable[[], PoolConfig | None]:
             known = None if read else self._known
-            if alone and tx.depth == 0 and known is not None:
-                inserted = store.insert_work_if(tx, items(known), known, notify=True)
+            at_commit = alone and tx.depth == 0
+            if known is not None:
+                # The config this Pool last saw, checked by the insert itself: on
+                # PostgreSQL one statement instead of a read and an insert.
+                inserted = store.insert_work_if(
+                    tx, items(known), known, notify=True, at_commit=at_commit
+                )
                 return lambda: known if inserted() else None
             config = self._config(tx)
-            store.insert_work(tx, items(config), at_commit=alone and tx.depth == 0)
+            store.insert_work(tx, items(config), at_commit=at_commit)
             store.notify(tx, [self.name])
             return lambda: config
 
@@ -407,9 +412,9 @@ class Pool:
         if got is None:  # the stored config changed since this Pool last saw it
             got = self.app.run(lambda t: body(t, read=True), tx=tx)()
         assert got is not None  # a run that reads the config always answers it
-        config = got
-        if alone:
-            self._known = config
+        # Kept even from the caller's transaction, which may roll back: every insert
+        # made with it checks it against the stored config.
+        self._known = config = got
         if events.LEVELS.get(config.log_level, events.REPORT) <= events.INFO:
             for work_id in ids:
                 events.enqueued(

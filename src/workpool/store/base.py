@@ -409,16 +409,23 @@ class Store(abc.ABC):
         back, so the store may send the insert with the COMMIT (``Tx.defer``)."""
 
     def insert_work_if(
-        self, tx: Tx, items: Sequence[NewWork], config: PoolConfig, *, notify: bool = False
+        self,
+        tx: Tx,
+        items: Sequence[NewWork],
+        config: PoolConfig,
+        *,
+        notify: bool = False,
+        at_commit: bool = True,
     ) -> Callable[[], bool]:
-        """``insert_work`` with the COMMIT, only if the pool's stored config is still
-        ``config`` (the one the items were made with); whether it was, answered after
-        the COMMIT. ``notify``: then also wake the pool's workers (``notify``).
-        PostgreSQL checks, inserts and notifies in one statement: an enqueue whose
-        caller knows the config is one statement, a transaction of its own."""
+        """``insert_work``, only if the pool's stored config is still ``config`` (the
+        one the items were made with). ``at_commit``: with the COMMIT, and whether it
+        was answered after it; else at once, for what the transaction does next.
+        ``notify``: then also wake the pool's workers (``notify``). PostgreSQL checks,
+        inserts and notifies in one statement: an enqueue whose caller knows the
+        config is one statement (alone, a transaction of its own)."""
         ok = self.load_pool(tx, config.name) == config
         if ok:
-            self.insert_work(tx, items, at_commit=True)
+            self.insert_work(tx, items, at_commit=at_commit)
             if notify:
                 self.notify(tx, [config.name])
         return lambda: ok

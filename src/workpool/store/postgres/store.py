@@ -515,7 +515,13 @@ class PostgresStore(SqlStore):
     )
 
     def insert_work_if(
-        self, tx: Tx, items: Sequence[NewWork], config: PoolConfig, *, notify: bool = False
+        self,
+        tx: Tx,
+        items: Sequence[NewWork],
+        config: PoolConfig,
+        *,
+        notify: bool = False,
+        at_commit: bool = True,
     ) -> Callable[[], bool]:
         # The check, the insert and the notification are one statement, sent with the
         # COMMIT; when nothing else was sent, it goes alone, as its own transaction:
@@ -531,6 +537,9 @@ class PostgresStore(SqlStore):
             sql += ", woken AS (SELECT pg_notify(%s, %s) WHERE (SELECT same FROM ok))"
             answer = " SELECT same, (SELECT count(*) FROM woken) FROM ok"
             params += [self.channel, config.name]
+        if not at_commit:
+            (same, *_) = self._x(tx, sql + answer, params).fetchone()
+            return lambda: bool(same)
         check = tx.defer(sql + answer, params, rows=True, alone=notify)
         return lambda: bool(check.rows[0][0])
 
