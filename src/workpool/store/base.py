@@ -151,7 +151,10 @@ class ClaimedWork:
     has_on_complete: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: a frozen dataclass's __init__ sets each field through
+# object.__setattr__, 1.2 us for these 18 against 0.14, once per row that a
+# completer, rescuer or canceller reads under lock. Treat it as read-only.
+@dataclass(slots=True)
 class ActiveWork:
     """An active (not finished) work row, read under lock inside a write transaction."""
 
@@ -175,7 +178,7 @@ class ActiveWork:
     started_at: float | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # per item, as ActiveWork: treat as read-only
 class Finishing:
     """``work`` (locked, checked) becomes finished with ``result`` (JSON)."""
 
@@ -185,7 +188,7 @@ class Finishing:
     handler_error: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # per item, as ActiveWork: treat as read-only
 class Retrying:
     """``work`` (running, locked) goes back to pending until ``due_at``."""
 
@@ -195,7 +198,7 @@ class Retrying:
     lost: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # per item, as ActiveWork: treat as read-only
 class Handing:
     """``work`` becomes completing: its on_complete is (re)tried at ``due_at``."""
 
