@@ -120,15 +120,15 @@ class Maintenance:
                 self.retry_handlers(pools, now)
         if self._due("orphans", now, ORPHANS_EVERY_S):
             self.adopt_orphans(now)
+        store = self.store
         if self._due("duties", now, 1.0):
             # One read of when every duty is next due: a turn is a write transaction,
             # and asking for two turns of every pool each second cost an idle worker
             # of 500 pools a fifth of a core (and PostgreSQL as much again).
-            times = self.store.run(self.store.duty_times, readonly=True, snapshot=False)
+            times = store.run(store.duty_times, readonly=True, snapshot=False)
             until = time.monotonic() + PRUNE_BUDGET_S
             for pool in self._due_pools(pools, now, times):
                 self.duties(pool, now, times, until)
-            store = self.store
             # Once a minute per worker, not per pool: it is one DELETE for the store.
             if self._due("forget", now, PRUNE_EVERY_S):
                 store.run(lambda tx: store.forget_dead_workers(tx, now))
@@ -137,7 +137,6 @@ class Maintenance:
                 lambda tx: store.take_turn(tx, "", "tidy", now, TIDY_EVERY_S)
             ):
                 store.tidy()
-        store = self.store
         if (
             self._due("stats", now, STATS_EVERY_S)
             and store.stats_stale()
@@ -321,7 +320,5 @@ class Maintenance:
             if time.monotonic() >= until:
                 store.run(lambda tx: store.set_turn(tx, pool, "prune", now + PRUNE_AGAIN_S))
                 break
-        store.run(
-            lambda tx: self.store.prune_counters(tx, pool, int((now - COUNTER_RETENTION_S) // 60))
-        )
+        store.run(lambda tx: store.prune_counters(tx, pool, int((now - COUNTER_RETENTION_S) // 60)))
         return total
