@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 
 import pytest
 
@@ -204,9 +205,9 @@ def test_a_worker_takes_its_first_report_turn_only_after_its_first_seconds(app, 
     start = 1_000_000.0
     worker = Worker(app.store, app.registry, WorkerOptions(pools=["first_report"]), lambda: start)
     worker.configs = {c.name: c for c in app.store.run(app.store.load_pools)}
-    worker.maintenance.duties("first_report", start + 1.0, {})
+    worker.maintenance.duties("first_report", start + 1.0, {}, math.inf)
     assert events_of(caplog, "report", pool="first_report") == []
-    worker.maintenance.duties("first_report", start + REPORT_FIRST_S, {})
+    worker.maintenance.duties("first_report", start + REPORT_FIRST_S, {}, math.inf)
     assert len(events_of(caplog, "report", pool="first_report")) == 1
 
 
@@ -227,18 +228,18 @@ def test_duties_read_once_take_only_the_turns_that_are_due(app, caplog):
     def reports() -> int:
         return len(events_of(caplog, "report", pool="dutiful"))
 
-    worker.maintenance.duties("dutiful", start, store.run(store.duty_times))
+    worker.maintenance.duties("dutiful", start, store.run(store.duty_times), math.inf)
     assert reports() == 1
     times = store.run(store.duty_times)
     assert times[("dutiful", "report")] == start + REPORT_EVERY_S
     assert ("dutiful", "prune") in times
-    worker.maintenance.duties("dutiful", start + 1.0, times)
+    worker.maintenance.duties("dutiful", start + 1.0, times, math.inf)
     assert reports() == 1
     later = start + REPORT_EVERY_S
-    worker.maintenance.duties("dutiful", later, store.run(store.duty_times))
+    worker.maintenance.duties("dutiful", later, store.run(store.duty_times), math.inf)
     assert reports() == 2
     stale = dict(times)  # read before that turn: another worker may have taken it
-    worker.maintenance.duties("dutiful", later + 1.0, stale)
+    worker.maintenance.duties("dutiful", later + 1.0, stale, math.inf)
     assert reports() == 2, "a stale read only sends the worker to take_turn, which says no"
 
 

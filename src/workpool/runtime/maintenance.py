@@ -268,7 +268,7 @@ class Maintenance:
         pool: str,
         now: float,
         times: dict[tuple[str, str], float],
-        prune_until: float | None = None,
+        prune_until: float,
     ) -> None:
         """Take this pool's due turns; ``times`` (``duty_times``) skips those not due;
         ``prune_until``: the pass's deleting budget ends then (``time.monotonic``)."""
@@ -290,8 +290,7 @@ class Maintenance:
             PRUNE_EVERY_S if config is None else min(PRUNE_EVERY_S, max(config.status_ttl / 2, 1.0))
         )
         if due("prune") and store.run(lambda tx: store.take_turn(tx, pool, "prune", now, every)):
-            until = time.monotonic() + PRUNE_BUDGET_S if prune_until is None else prune_until
-            self.prune(pool, now, until)
+            self.prune(pool, now, prune_until)
 
     def report(self, pool: str, now: float) -> None:
         config = self.worker.configs.get(pool)
