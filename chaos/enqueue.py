@@ -37,10 +37,13 @@ class Enqueuer:
         self.watch: dict[str, tuple[str, float]] = {}  # slow items to cancel once running
         self.latency_max = 0.0
 
-    def error(self, where: str, exc: BaseException) -> None:
+    def error(self, where: str, exc: BaseException, items: int = 1) -> None:
+        """Note an error that reached this user code; ``items``: how many work items
+        an ambiguous commit may have stored without the enqueuer counting them."""
         self.errors.append(
             {
                 "where": where,
+                "items": items,
                 "type": f"{type(exc).__module__}.{type(exc).__name__}",
                 "message": str(exc)[:500],
                 "t": time.time(),
@@ -76,7 +79,7 @@ class Enqueuer:
                 with ca.app.transaction() as tx:
                     ids = ca.enqueue(spec, args, tx=tx, via="tx")
             except Exception as exc:  # the whole batch rolled back (or an ambiguous commit)
-                self.error("tx", exc)
+                self.error("tx", exc, len(args))
                 return []
         else:
             try:
