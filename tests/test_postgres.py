@@ -327,3 +327,24 @@ def test_a_worker_refreshes_statistics_that_say_the_queue_is_empty(pg_app: Any) 
     worker.maintenance.tick(now)
     assert reltuples() == 5000
     assert not store.stats_stale()
+
+
+def test_payloads_are_compressed_with_lz4_where_the_server_has_it(pg_app: Any) -> None:
+    """pglz compressed 800 KB of args in 6.5 ms, lz4 in 1.1 ms (and reads back faster):
+    the migration sets lz4 on the payload columns when the server supports it."""
+    pg_app.pool("any").stats()  # creates the schema
+    store = pg_app.store
+    try:
+        store.run(lambda tx: tx.execute("CREATE TEMP TABLE probe (x text COMPRESSION lz4)"))
+    except Exception:
+        pytest.skip("this PostgreSQL server was built without lz4")
+    sql = (
+        "SELECT attrelid::regclass::text, attname, attcompression FROM pg_attribute"
+        " WHERE attrelid IN (%s::regclass, %s::regclass)"
+        " AND attname IN ('args', 'context', 'result')"
+    )
+    tables = (f"{store.table_prefix}work", f"{store.table_prefix}finished")
+    rows = store.run(lambda tx: tx.execute(sql, tables).fetchall())
+    assert sorted((name, c) for _, name, c in rows) == sorted(
+        [("args", "l"), ("context", "l"), ("result", "l"), ("args", "l"), ("result", "l")]
+    )
