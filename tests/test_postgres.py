@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from typing import Any
@@ -327,6 +328,44 @@ def test_a_worker_refreshes_statistics_that_say_the_queue_is_empty(pg_app: Any) 
     worker.maintenance.tick(now)
     assert reltuples() == 5000
     assert not store.stats_stale()
+
+
+def test_a_claim_stops_at_its_bytes_of_args_and_says_the_pool_may_have_more(
+    pg_app: Any,
+) -> None:
+    """One worker that claimed every due row of a pool of big payloads read and
+    decoded them alone while the others' slots stayed empty: a claim takes rows
+    while their args stay within CLAIM_BYTES (always one), on one pool or many."""
+    from workpool.store.postgres.store import CLAIM_BYTES
+
+    @pg_app.action(name="big")
+    def big(blob: str) -> None:
+        pass
+
+    blob = "x" * 900_000
+    size = len(json.dumps({"blob": blob}))
+    fits = -(-CLAIM_BYTES // size)  # rows whose args before them are under the limit
+    assert 1 < fits < 10
+    for name in ("heavy", "heavy2"):
+        pg_app.pool(name, max_parallelism=100).enqueue_action_batch(big, [{"blob": blob}] * 10)
+    store = pg_app.store
+    now = time.time() + 1
+
+    first = store.run(lambda tx: store.claim(tx, "heavy", 10, "w", now))
+    assert len(first) == fits
+    assert store.claim_cut(first)
+    rest = store.run(lambda tx: store.claim(tx, "heavy", 10, "w", now))
+    assert len(rest) == 10 - fits
+    assert store.run(lambda tx: store.claim(tx, "heavy", 10, "w", now)) == []
+    assert not store.claim_cut([])
+
+    pg_app.pool("heavy", max_parallelism=100).enqueue_action_batch(big, [{"blob": "small"}] * 3)
+    answer = store.run(lambda tx: store.claim_many_later(tx, {"heavy": 10, "heavy2": 10}, "w", now))
+    got = answer()
+    assert len(got["heavy"]) == 3  # small args: the asked limit, not the bytes, stops it
+    assert not store.claim_cut(got["heavy"])
+    assert len(got["heavy2"]) == fits
+    assert store.claim_cut(got["heavy2"])
 
 
 def test_payloads_are_compressed_with_lz4_where_the_server_has_it(pg_app: Any) -> None:

@@ -341,8 +341,12 @@ class Worker:
             if configs is not None:
                 self.configs = {c.name: c for c in configs()}
             # More may be due in a pool that gave all it was asked while it had room
-            # for more (the share or the batch cap stopped it), or that got no share.
-            cut = any(len(works) == n < rooms[p] for p, n, works in got)
+            # for more (the share or the batch cap stopped it), that the store's
+            # limit on a claim's bytes of args stopped, or that got no share.
+            cut = any(
+                len(works) == n < rooms[p] or (len(works) < n and self.store.claim_cut(works))
+                for p, n, works in got
+            )
             short = len(claimed) < free and (skipped or cut)
             return claimed, short or self._active_pools() != served
 

@@ -455,6 +455,12 @@ class Store(abc.ABC):
         claims = [(p, self.claim_later(tx, p, n, worker_id, now)) for p, n in sorted(asks.items())]
         return lambda: {p: later() for p, later in claims}
 
+    def claim_cut(self, claimed: Sequence[ClaimedWork]) -> bool:
+        """Whether a claim that gave fewer rows than asked may have been stopped by
+        the store's limit on the bytes of args a claim reads (``claimed`` is what it
+        gave), not by a lack of due work: then the pool may have more."""
+        return False
+
     @abc.abstractmethod
     def load_for_update(self, tx: Tx, work_id: str) -> ActiveWork | None:
         """The active row, locked against concurrent completers until ``tx`` ends."""

@@ -34,6 +34,10 @@ from workpool.store.postgres.migrations import MIGRATIONS
 from workpool.store.sql import SqlStore
 from workpool.store.sql_reads import ACTIVE_COLUMNS, active_row, storable
 
+# A claim reads at most this many bytes of args (and always one row). A worker that
+# took every due row of a pool of big payloads would read and decode them all on
+# its own while the other workers' slots stayed empty; small args never reach it.
+CLAIM_BYTES = 4_000_000
 # ``work`` below this many pages is read whole in about the time an index probe
 # takes, whatever plan its statistics lead to: no ANALYZE for it.
 STATS_MIN_PAGES = 8
@@ -405,10 +409,9 @@ class PostgresStore(SqlStore):
         # The lock, then the limit, the count and the claim in one statement whose
         # snapshot is taken after the lock is granted: exact as in SqliteStore, in one
         # round trip. (LEAST and GREATEST skip NULLs: a missing pool row must be 0.)
-        free = self._room("%s::int", "%s")
         # ANY(ARRAY(...)): with IN (...) and a limit the planner cannot read, it would
         # hash-join the picked ids against a scan of the whole table.
-        ids = self._CLAIM_IDS % (free, self.skip_locked)
+        ids = self._pick("%s", self._room("%s::int", "%s"))
         sql = self._sql(self._CLAIM % f"id = ANY(ARRAY({ids}))" + ", args")
         params = (worker_id, now, pool, now, limit, pool, pool)
         if not at_commit:
@@ -421,6 +424,25 @@ class PostgresStore(SqlStore):
         tx.defer(self._LOCK, (self.schema, pool))
         claim = tx.defer(sql, params, rows=True)
         return lambda: claim.rows
+
+    def _pick(self, pool: str, free: str) -> str:
+        """SQL for the ids a claim takes from ``pool``: its next due pending rows, at
+        most ``free``, and after the first only while their args stay within
+        ``CLAIM_BYTES`` (``octet_length`` reads a stored value's size, not the value).
+        Both arguments are SQL; a placeholder for ``now`` comes between them."""
+        s = self.table_prefix
+        return (
+            "SELECT id FROM (SELECT id, sum(octet_length(args)) OVER (ORDER BY due_at, id"
+            " ROWS UNBOUNDED PRECEDING) - octet_length(args) AS before FROM (SELECT id,"
+            f" due_at, args FROM {s}work WHERE pool = {pool} AND state = 'pending'"
+            f" AND due_at <= %s ORDER BY due_at, id LIMIT {free}{self.skip_locked}) c) d"
+            f" WHERE before < {CLAIM_BYTES}"
+        )
+
+    def claim_cut(self, claimed: Sequence[ClaimedWork]) -> bool:
+        # Counted in characters, each at most 4 bytes in UTF-8: a claim that stopped
+        # at CLAIM_BYTES always passes this; one that did not costs an empty claim.
+        return sum(len(work.args) for work in claimed) * 4 >= CLAIM_BYTES
 
     def _room(self, asked: str, pool: str) -> str:
         """SQL for how many rows a claim may take: ``asked`` at most, and no more
@@ -447,7 +469,6 @@ class PostgresStore(SqlStore):
         pools = sorted(asks)
         names, names_param = array_param(pools, "text")
         limits, limits_param = array_param([asks[p] for p in pools], "int")
-        s = self.table_prefix
         # unnest keeps the array's order: the locks are taken in sorted order.
         tx.defer(
             "SELECT count(pg_advisory_xact_lock(hashtext(%s), hashtext(p)))"
@@ -456,9 +477,8 @@ class PostgresStore(SqlStore):
         )
         free = self._room("a.n", "a.pool")
         ids = (
-            f"SELECT c.id FROM unnest({names}, {limits}) AS a(pool, n), LATERAL"
-            f" (SELECT id FROM {s}work WHERE pool = a.pool AND state = 'pending' AND due_at <= %s"
-            f" ORDER BY due_at, id LIMIT {free}{self.skip_locked}) c"
+            f"SELECT c.id FROM unnest({names}, {limits}) AS a(pool, n),"
+            f" LATERAL ({self._pick('a.pool', free)}) c"
         )
         sql = self._sql(self._CLAIM % f"id = ANY(ARRAY({ids}))" + ", args, pool")
         claim = tx.defer(sql, (worker_id, now, names_param, limits_param, now), rows=True)
