@@ -10,7 +10,7 @@ import uuid
 import pytest
 
 import workpool
-from conftest import Recorder, background_worker, run_until_idle, wait_for
+from conftest import Recorder, background_worker, finished, run_until_idle, wait_for
 from workpool import RetryBehavior
 
 pytestmark = pytest.mark.timeout(120)
@@ -318,6 +318,48 @@ def test_timeout_of_a_sync_action(app):
     assert status.result.kind == "failed"
     assert "timed out" in status.result.error
     assert took < 4
+
+
+def test_work_after_a_timed_out_sync_action_does_not_wait_for_its_thread(app, rec: Recorder):
+    """A worker starts its threads as the work in flight needs them; a sync action
+    past its timeout still holds one, so the next attempt must get another."""
+    gate = threading.Event()
+
+    @app.action(name="stuck")
+    def stuck() -> None:
+        gate.wait(30)
+
+    @app.action(name="after")
+    def after() -> None:
+        rec.add()
+
+    pool = app.pool("timeouts")
+    wid = pool.enqueue_action(stuck, timeout=0.3)
+    before = set(threading.enumerate())  # other tests' threads may still be leaving
+    try:
+        with background_worker(app, concurrency=2):
+            assert wait_for(lambda: finished(pool, wid), 10).result.kind == "failed"
+            pool.enqueue_action(after)
+            wait_for(lambda: len(rec.calls) == 1, 10)
+            assert not gate.is_set()  # it ran while the stuck thread still waited
+            threads = [t.name for t in set(threading.enumerate()) - before if "-exec-" in t.name]
+            assert len(threads) == 2, threads  # of 2, started as they were needed
+            gate.set()  # the abandoned thread ends; the worker can stop
+    finally:
+        gate.set()
+
+
+def test_a_worker_starts_no_more_threads_than_its_work_needs(app, rec: Recorder):
+    @app.action(name="note")
+    def note() -> None:
+        rec.add()
+
+    app.pool("few").enqueue_action_batch(note, [{}] * 3)
+    before = set(threading.enumerate())
+    with background_worker(app, concurrency=200):
+        wait_for(lambda: len(rec.calls) == 3, 10)
+        threads = [t.name for t in set(threading.enumerate()) - before if "-exec-" in t.name]
+    assert 1 <= len(threads) <= 3, threads
 
 
 def test_timeout_of_an_async_action(app):

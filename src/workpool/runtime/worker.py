@@ -250,10 +250,14 @@ class Worker:
             for work in claimed:
                 deadline = None if work.timeout is None else now + work.timeout
                 self._inflight[(work.id, work.attempt)] = _InFlight(work, deadline)
+            # An attempt leaves the table once its outcome is recorded, after its
+            # task is done: the table never counts fewer tasks than are in flight.
+            in_flight = len(self._inflight)
         levels = {pool: self.pool_level(pool) for pool in {work.pool for work in claimed}}
         logged = {p: level for p, level in levels.items() if events.shown(logging.INFO, level)}
         executor = self.executor
         assert executor is not None
+        executor.grow(in_flight)
         coros = []
         in_tx: list[_InTx] = []
         for work in claimed:
