@@ -422,3 +422,25 @@ def test_until_idle_returns_soon_after_another_workers_last_work_ends(app, rec: 
         returned = time.monotonic() - released
     assert pool.status(wid).state == "finished"
     assert returned < 0.6, f"returned {returned:.2f} s after the last work ended"
+
+
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+def test_sqlite_commits_leave_the_checkpoint_to_a_workers_maintenance(app, store_url):
+    """A commit that took the WAL past 1,000 pages used to copy it into the database
+    file and sync it itself: inside a claim's commit, 5-10 ms on a slow disk, which
+    delayed 1 start in 100. Now a worker's maintenance does it, off those threads."""
+    import os
+
+    @app.action(name="noop")
+    def noop(i: int) -> None:
+        pass
+
+    path = store_url[len("sqlite:///") :]
+    pool = app.pool("wal", max_parallelism=0)  # paused: nothing is claimed
+    pool.stats()  # creates the file
+    before = os.path.getsize(path)
+    pool.enqueue_action_batch(noop, [{"i": i, "pad": "x" * 200} for i in range(30_000)])
+    assert os.path.getsize(path + "-wal") > 1_000 * 4096  # past SQLite's own threshold
+    assert os.path.getsize(path) == before  # no commit copied it into the database
+    with background_worker(app, pools=["wal"]):
+        wait_for(lambda: os.path.getsize(path) > before + 1_000 * 4096, 10)

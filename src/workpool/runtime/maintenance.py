@@ -49,6 +49,9 @@ TIDY_EVERY_S = 15.0
 # they no longer describe it, refreshed (one worker at a time).
 STATS_EVERY_S = 0.25
 ANALYZE_EVERY_S = 5.0
+# How often a worker copies the write-ahead log into the database (SQLite), so
+# that no claim's commit has to: see WAL_BACKSTOP_PAGES.
+CHECKPOINT_EVERY_S = 0.25
 
 
 class Maintenance:
@@ -69,6 +72,7 @@ class Maintenance:
             # by vacuuming or analysing it while it should be claiming.
             "tidy": worker.clock() + TIDY_EVERY_S,
             "stats": 0.0,
+            "checkpoint": 0.0,
         }
         self._report_from = worker.clock() + REPORT_FIRST_S
 
@@ -99,6 +103,8 @@ class Maintenance:
         self.worker.expire_timeouts()
         if self._due("heartbeat", now, self.worker.options.lease / 3):
             self.heartbeat(now)
+        if self._due("checkpoint", now, CHECKPOINT_EVERY_S):
+            self.store.checkpoint()
         pools = [p for p in self.worker.served() if p in self.worker.configs]
         if not pools:
             return

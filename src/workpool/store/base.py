@@ -576,6 +576,11 @@ class Store(abc.ABC):
     def analyze(self) -> None:
         """Refresh the planner's statistics of the hot table."""
 
+    def checkpoint(self) -> None:  # noqa: B027 - a duty only some stores have
+        """Copy what other connections committed to the store's write-ahead log into
+        the database file (SQLite), off the threads that claim and complete; a
+        worker calls it a few times a second. PostgreSQL checkpoints on its own."""
+
     @abc.abstractmethod
     def heartbeat(self, tx: Tx, worker: WorkerInfo, now: float, expires_at: float) -> None: ...
 
