@@ -119,10 +119,10 @@ MIGRATIONS: list[str] = [
     CREATE INDEX finished_failed ON {s}finished (pool, finished_at) WHERE outcome = 'failed';
     """,
     # Payloads over 2 KB are compressed as they are stored. lz4 (PostgreSQL 14+, in
-    # most builds) compresses several times faster than the default pglz and reads
-    # back in half the time: an enqueue of 800 KB args and context went from 59 to
-    # 93 a second. Values stored before keep their compression; a server built
-    # without lz4 keeps pglz.
+    # most builds) is several times faster than the default pglz: storing 800 KB
+    # took 6.5 ms with pglz and 1.1 ms with lz4, reading it back 3.7 and 1.5 ms.
+    # Values stored before keep their compression; a server built without lz4
+    # keeps pglz.
     """
     DO $$
     BEGIN
