@@ -7,6 +7,7 @@ is bounded".
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import Counter
@@ -429,10 +430,9 @@ def test_sqlite_commits_leave_the_checkpoint_to_a_workers_maintenance(app, store
     """A commit that took the WAL past 1,000 pages used to copy it into the database
     file and sync it itself: inside a claim's commit, 5-10 ms on a slow disk, which
     delayed 1 start in 100. Now a worker's maintenance does it, off those threads."""
-    import os
 
     @app.action(name="noop")
-    def noop(i: int) -> None:
+    def noop(i: int, pad: str) -> None:
         pass
 
     path = store_url[len("sqlite:///") :]
