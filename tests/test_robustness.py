@@ -11,6 +11,7 @@ import os
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -444,3 +445,43 @@ def test_sqlite_commits_leave_the_checkpoint_to_a_workers_maintenance(app, store
     assert os.path.getsize(path) == before  # no commit copied it into the database
     with background_worker(app, pools=["wal"]):
         wait_for(lambda: os.path.getsize(path) > before + 1_000 * 4096, 10)
+
+
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+def test_sqlite_checkpoint_held_back_by_a_reader_is_finished_later(app, store_url):
+    """A checkpoint cannot copy what a reader's snapshot still needs from the WAL;
+    the next one must copy it even when nothing was committed in between."""
+    import sqlite3
+
+    @app.action(name="noop")
+    def noop(i: int, pad: str) -> None:
+        pass
+
+    path = store_url[len("sqlite:///") :]
+    pool = app.pool("wal", max_parallelism=0)
+    pool.stats()
+    store = app.store
+
+    maintenance = ThreadPoolExecutor(max_workers=1)  # one thread, as a worker's
+
+    def checkpoint() -> None:
+        maintenance.submit(store.checkpoint).result(10)
+
+    def enqueue() -> None:
+        pool.enqueue_action_batch(noop, [{"i": i, "pad": "x" * 200} for i in range(5_000)])
+
+    enqueue()
+    checkpoint()
+    reader = sqlite3.connect(path, isolation_level=None)
+    try:
+        reader.execute("BEGIN")
+        reader.execute("SELECT count(*) FROM work").fetchone()  # pins this snapshot
+        enqueue()
+        checkpoint()
+        held_back = os.path.getsize(path)
+    finally:
+        reader.execute("ROLLBACK")
+        reader.close()
+    checkpoint()  # nothing committed since: only what was held back is left
+    maintenance.shutdown()
+    assert os.path.getsize(path) > held_back

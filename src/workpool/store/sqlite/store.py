@@ -208,12 +208,13 @@ class SqliteStore(SqlStore):
         if version == getattr(self._local, "checkpointed", None):
             return
         try:
-            conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+            _, frames, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
         except sqlite3.OperationalError as exc:
             if not self.is_transient(exc):
                 raise
             return  # another connection is checkpointing: the next call catches up
-        self._local.checkpointed = version
+        if frames == copied:  # else a reader held some back: try again next time
+            self._local.checkpointed = version
 
     def tidy(self) -> None:
         # Deleted rows leave no dead index entries in SQLite; keep the planner's
