@@ -362,6 +362,41 @@ def test_a_worker_starts_no_more_threads_than_its_work_needs(app, rec: Recorder)
     assert 1 <= len(threads) <= 3, threads
 
 
+def test_short_actions_share_threads_instead_of_starting_one_each(app, rec: Recorder):
+    """A claim of 300 quick actions needs a few threads, not 300: a thread starts
+    only when none is idle (starting 300 delayed the first attempt by 60 ms)."""
+
+    @app.action(name="note")
+    def note(i: int) -> None:
+        rec.add(i=i)
+
+    app.pool("many", max_parallelism=300).enqueue_action_batch(note, [{"i": i} for i in range(300)])
+    before = set(threading.enumerate())
+    with background_worker(app, concurrency=300):
+        wait_for(lambda: len(rec.calls) == 300, 20)
+        threads = [t.name for t in set(threading.enumerate()) - before if "-exec-" in t.name]
+    assert sorted(c["i"] for c in rec.calls) == list(range(300))
+    assert 1 <= len(threads) <= 150, len(threads)
+
+
+def test_blocking_actions_get_a_thread_each_up_to_the_concurrency(app, rec: Recorder):
+    """Actions that block together each get a thread: all 8 must be in the barrier
+    at once, or it breaks after its timeout and they fail."""
+    barrier = threading.Barrier(8, timeout=20)
+
+    @app.action(name="meet")
+    def meet(i: int) -> None:
+        barrier.wait()
+        rec.add(i=i)
+
+    pool = app.pool("meeting", max_parallelism=8)
+    ids = pool.enqueue_action_batch(meet, [{"i": i} for i in range(8)])
+    with background_worker(app, concurrency=8):
+        wait_for(lambda: all(finished(pool, wid) for wid in ids), 30)
+    assert all(pool.status(wid).result.kind == "success" for wid in ids)
+    assert sorted(c["i"] for c in rec.calls) == list(range(8))
+
+
 def test_timeout_of_an_async_action(app):
     @app.action(name="hangs_async")
     async def hangs_async() -> None:

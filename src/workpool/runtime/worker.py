@@ -250,16 +250,10 @@ class Worker:
             for work in claimed:
                 deadline = None if work.timeout is None else now + work.timeout
                 self._inflight[(work.id, work.attempt)] = _InFlight(work, deadline)
-            # An attempt leaves the table when its task ends (a sync action), or
-            # later once recorded; a batch of mutations leaves it as its task makes
-            # its last step, the claim that starts these, and then frees its thread.
-            # So the executor starts a thread for every task that may hold one.
-            in_flight = len(self._inflight)
         levels = {pool: self.pool_level(pool) for pool in {work.pool for work in claimed}}
         logged = {p: level for p, level in levels.items() if events.shown(logging.INFO, level)}
         executor = self.executor
         assert executor is not None
-        executor.grow(in_flight)
         coros = []
         in_tx: list[_InTx] = []
         for work in claimed:
