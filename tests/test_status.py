@@ -362,6 +362,47 @@ def test_a_worker_starts_no_more_threads_than_its_work_needs(app, rec: Recorder)
     assert 1 <= len(threads) <= 3, threads
 
 
+def test_status_batch_reads_each_state_and_the_occupancy_of_each_pool(app):
+    """One read answers finished, running, waiting, due, scheduled and unknown ids,
+    with the running count and limit of the pool of each due one."""
+    started = threading.Event()
+    release = threading.Event()
+
+    @app.action(name="hold")
+    def hold() -> None:
+        started.set()
+        release.wait(20)
+
+    @app.action(name="quick")
+    def quick() -> int:
+        return 7
+
+    full = app.pool("full", max_parallelism=1)
+    roomy = app.pool("roomy", max_parallelism=3)
+    done = full.enqueue_action(quick)
+    run_until_idle(app)
+    held = full.enqueue_action(hold)
+    waiting = full.enqueue_action(quick)
+    unknown = str(uuid.uuid4())
+    try:
+        with background_worker(app, pools=["full"]):
+            assert started.wait(10)
+            due = roomy.enqueue_action(quick)
+            later = roomy.enqueue_action(quick, run_after=60)
+            first = full.status_batch([done, held, waiting, unknown, waiting])
+            second = roomy.status_batch([later, due])
+            release.set()
+    finally:
+        release.set()
+    assert first[0] == workpool.Finished(workpool.Success(7))
+    assert (first[1].state, first[1].attempt) == ("running", 1)
+    assert (first[2].reason, first[2].running, first[2].limit) == ("waiting_for_slot", 1, 1)
+    assert first[3] == workpool.Finished(None)
+    assert first[4] == first[2]
+    assert (second[0].reason, second[0].running, second[0].limit) == ("scheduled", None, None)
+    assert (second[1].reason, second[1].running, second[1].limit) == ("due", 0, 3)
+
+
 def test_short_actions_share_threads_instead_of_starting_one_each(app, rec: Recorder):
     """A claim of 300 quick actions needs a few threads, not 300: a thread starts
     only when none is idle (starting 300 delayed the first attempt by 60 ms)."""

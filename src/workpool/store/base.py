@@ -221,10 +221,13 @@ class FinishedRow:
 
 @dataclass(frozen=True, slots=True)
 class StatusRow:
-    """What ``status`` needs: the active row, else the finished row, else neither."""
+    """What ``status`` needs: the active row, else the finished row, else neither.
+    For a pending row, ``occupancy``: its pool's running attempts and stored
+    max_parallelism (None: no config), read with it."""
 
     active: ActiveWork | None = None
     finished: FinishedRow | None = None
+    occupancy: tuple[int, int | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

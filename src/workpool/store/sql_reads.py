@@ -25,6 +25,10 @@ STATUS_COLUMNS = ACTIVE_COLUMNS.replace("{context_w}", "NULL")
 HIST_COLUMNS = tuple(f"lag_h{i}" for i in range(len(histogram.LAG_BOUNDS)))
 
 
+def _nulls(count: int) -> str:
+    return ", ".join(["NULL"] * count)
+
+
 def _decoded(text: str) -> Any:
     """Stored JSON, or the raw text when a row holds something that is not JSON."""
     try:
@@ -185,30 +189,36 @@ class SqlReads:
         ids = storable(ids)
         for chunk in _chunks(ids):
             marks = ", ".join("?" * len(chunk))
-            # Active rows first: work that finishes in between is then found finished.
-            # Both reads share one round trip on PostgreSQL.
-            with self.pipeline(tx):
-                active = self.q(
-                    tx, f"SELECT {STATUS_COLUMNS} FROM {{s}}work w WHERE w.id IN ({marks})", chunk
-                )
-                done = self.q(
-                    tx,
-                    "SELECT id, pool, result, attempts, finished_at, handler_error"
-                    f" FROM {{s}}finished WHERE id IN ({marks})",
-                    chunk,
-                )
-            active_rows, done_rows = active.fetchall(), done.fetchall()
-            for row in active_rows:
-                found[row[0]] = StatusRow(active=active_row(row))
-            for row in done_rows:
-                found.setdefault(
-                    row[0],
-                    StatusRow(
+            # One statement, so one snapshot and one round trip: the active rows, with
+            # the occupancy of the pools of pending ones, and the finished rows. Read
+            # as a pipeline of three it took twice as long on PostgreSQL.
+            rows = self.q(
+                tx,
+                f"WITH a AS (SELECT {STATUS_COLUMNS} FROM {{s}}work w WHERE w.id IN ({marks})),"
+                " o AS (SELECT p.pool, (SELECT count(*) FROM {s}work r"
+                " WHERE r.pool = p.pool AND r.state = 'running') AS running,"
+                " (SELECT c.max_parallelism FROM {s}pools c WHERE c.name = p.pool) AS lim"
+                " FROM (SELECT DISTINCT pool FROM a WHERE state = 'pending') p)"
+                f" SELECT 'a', a.*, o.running, o.lim, {_nulls(4)}"
+                " FROM a LEFT JOIN o ON o.pool = a.pool"
+                f" UNION ALL SELECT 'f', f.id, f.pool, {_nulls(18)},"
+                " f.result, f.attempts, f.finished_at, f.handler_error"
+                f" FROM {{s}}finished f WHERE f.id IN ({marks})",
+                [*chunk, *chunk],
+            ).fetchall()
+            for row in rows:
+                if row[0] == "a":
+                    occupancy = None
+                    if row[19] is not None:
+                        occupancy = (int(row[19]), None if row[20] is None else int(row[20]))
+                    found[row[1]] = StatusRow(active=active_row(row[1:19]), occupancy=occupancy)
+            for row in rows:
+                if row[0] == "f" and row[1] not in found:  # an active row comes first
+                    found[row[1]] = StatusRow(
                         finished=FinishedRow(
-                            row[0], row[1], row[2], int(row[3]), float(row[4]), row[5]
+                            row[1], row[2], row[21], int(row[22]), float(row[23]), row[24]
                         )
-                    ),
-                )
+                    )
         return found
 
     def add_counters(
