@@ -429,12 +429,16 @@ class Store(abc.ABC):
         ``notify``: then also wake the pool's workers (``notify``). PostgreSQL checks,
         inserts and notifies in one statement: an enqueue whose caller knows the
         config is one statement (alone, a transaction of its own)."""
-        ok = self.load_pool(tx, config.name) == config
+        ok = self.pool_unchanged(tx, config)
         if ok:
             self.insert_work(tx, items, at_commit=at_commit)
             if notify:
                 self.notify(tx, [config.name])
         return lambda: ok
+
+    def pool_unchanged(self, tx: Tx, config: PoolConfig) -> bool:
+        """Whether the pool's stored config is ``config``."""
+        return self.load_pool(tx, config.name) == config
 
     @abc.abstractmethod
     def claim(self, tx: Tx, pool: str, limit: int, worker_id: str, now: float) -> list[ClaimedWork]:

@@ -196,6 +196,15 @@ class SqlStore(SqlReads, Store):
         ).fetchone()
         return None if row is None else self._pool(row)
 
+    def pool_unchanged(self, tx: Tx, config: PoolConfig) -> bool:
+        # The stored row against the config's values, as the PostgreSQL insert does:
+        # building a PoolConfig from the row to compare was a fifth of an enqueue's
+        # Python on SQLite.
+        row = self.q(
+            tx, f"SELECT {self._POOL_COLUMNS} FROM {{s}}pools WHERE name = ?", (config.name,)
+        ).fetchone()
+        return row is not None and tuple(row) == self._pool_params(config)
+
     def load_pools(self, tx: Tx) -> list[PoolConfig]:
         rows = self.q(tx, f"SELECT {self._POOL_COLUMNS} FROM {{s}}pools ORDER BY name")
         return [self._pool(row) for row in rows.fetchall()]
@@ -282,7 +291,10 @@ class SqlStore(SqlReads, Store):
         ]
 
     def _executemany(self, tx: Tx, sql: str, rows: list[tuple[Any, ...]]) -> None:
-        tx.connection.executemany(sql, rows)
+        if len(rows) == 1:  # a single enqueue's rows: execute costs less than executemany
+            tx.connection.execute(sql, rows[0])
+        else:
+            tx.connection.executemany(sql, rows)
 
     def occupancy(self, tx: Tx, pool: str) -> tuple[int, int | None]:
         row = self.q(
