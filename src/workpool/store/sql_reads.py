@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Sequence
 from typing import Any
 
 from workpool.core import histogram
@@ -94,8 +93,6 @@ class SqlReads:
 
     def _sql(self, template: str) -> str:
         raise NotImplementedError
-
-    pipeline: Callable[[Tx], AbstractContextManager[Any]]  # Store's
 
     _SUMMED = (
         "completed",
@@ -190,8 +187,8 @@ class SqlReads:
         for chunk in _chunks(ids):
             marks = ", ".join("?" * len(chunk))
             # One statement, so one snapshot and one round trip: the active rows, with
-            # the occupancy of the pools of pending ones, and the finished rows. Read
-            # as a pipeline of three it took twice as long on PostgreSQL.
+            # the occupancy of the pools of pending ones, and the finished rows. As two
+            # pipelined reads and then the occupancy it took twice as long on PostgreSQL.
             rows = self.q(
                 tx,
                 f"WITH a AS (SELECT {STATUS_COLUMNS} FROM {{s}}work w WHERE w.id IN ({marks})),"
