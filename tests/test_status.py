@@ -403,6 +403,24 @@ def test_status_batch_reads_each_state_and_the_occupancy_of_each_pool(app):
     assert (second[1].reason, second[1].running, second[1].limit) == ("due", 0, 3)
 
 
+def test_status_batch_of_more_ids_than_one_read_takes(app):
+    """1,400 ids are read 500 at a time; each answer stays with its id, in order."""
+
+    @app.action(name="square")
+    def square(i: int) -> int:
+        return i * i
+
+    pool = app.pool("many_ids", max_parallelism=100)
+    done = pool.enqueue_action_batch(square, [{"i": i} for i in range(700)])
+    run_until_idle(app)
+    waiting = pool.enqueue_action_batch(square, [{"i": i} for i in range(700)])
+    statuses = pool.status_batch([*done, *waiting])
+    assert statuses[:700] == [workpool.Finished(workpool.Success(i * i)) for i in range(700)]
+    assert {(s.state, s.reason, s.running, s.limit) for s in statuses[700:]} == {
+        ("pending", "due", 0, 100)
+    }
+
+
 def test_short_actions_share_threads_instead_of_starting_one_each(app, rec: Recorder):
     """A claim of 300 quick actions needs a few threads, not 300: a thread starts
     only when none is idle (starting 300 delayed the first attempt by 60 ms)."""

@@ -94,6 +94,10 @@ class SqlReads:
     def _sql(self, template: str) -> str:
         raise NotImplementedError
 
+    def _id_in(self, column: str, ids: Sequence[str]) -> tuple[str, list[Any]]:
+        """``column`` matching one of ``ids``, and its parameters."""
+        return f"{column} IN ({', '.join('?' * len(ids))})", list(ids)
+
     _SUMMED = (
         "completed",
         "succeeded",
@@ -185,13 +189,14 @@ class SqlReads:
         found: dict[str, StatusRow] = {}
         ids = storable(ids)
         for chunk in _chunks(ids):
-            marks = ", ".join("?" * len(chunk))
+            active, active_params = self._id_in("w.id", chunk)
+            done, done_params = self._id_in("f.id", chunk)
             # One statement, so one snapshot and one round trip: the active rows, with
             # the occupancy of the pools of pending ones, and the finished rows. As two
             # pipelined reads and then the occupancy it took twice as long on PostgreSQL.
             rows = self.q(
                 tx,
-                f"WITH a AS (SELECT {STATUS_COLUMNS} FROM {{s}}work w WHERE w.id IN ({marks})),"
+                f"WITH a AS (SELECT {STATUS_COLUMNS} FROM {{s}}work w WHERE {active}),"
                 " o AS (SELECT p.pool, (SELECT count(*) FROM {s}work r"
                 " WHERE r.pool = p.pool AND r.state = 'running') AS running,"
                 " (SELECT c.max_parallelism FROM {s}pools c WHERE c.name = p.pool) AS lim"
@@ -200,8 +205,8 @@ class SqlReads:
                 " FROM a LEFT JOIN o ON o.pool = a.pool"
                 f" UNION ALL SELECT 'f', f.id, f.pool, {_nulls(18)},"
                 " f.result, f.attempts, f.finished_at, f.handler_error"
-                f" FROM {{s}}finished f WHERE f.id IN ({marks})",
-                [*chunk, *chunk],
+                f" FROM {{s}}finished f WHERE {done}",
+                [*active_params, *done_params],
             ).fetchall()
             for row in rows:
                 if row[0] == "a":

@@ -612,6 +612,17 @@ class PostgresStore(SqlStore):
     # binary (%b); psycopg's text format escapes every JSON element with a regular
     # expression, 7x slower for a batch of 1,000 args.
     #
+    def _id_in(self, column: str, ids: Sequence[str]) -> tuple[str, list[Any]]:
+        # Many ids as one array: with a mark per id psycopg parses the text again on
+        # every call and the server plans it again (status_batch of 10,000 ids: 230
+        # -> 115 ms). One id as one mark: for "= ANY(array)" the server's generic plan
+        # looks dearer than a custom one, so it planned a status() on every call
+        # (1 ms of planning; 0.30 -> 0.55 ms a status).
+        if len(ids) == 1:
+            return f"{column} = ?", list(ids)
+        expr, param = array_param(ids, "text")
+        return f"{column} = ANY({expr})", [param]
+
     def load_many_for_update(self, tx: Tx, ids: Sequence[str]) -> dict[str, ActiveWork]:
         # One statement text for every batch size: with a mark per id (IN (...)) each
         # size was a new statement for psycopg to parse and the server to plan, and
