@@ -68,8 +68,8 @@ def test_claim_many_claims_each_pool_within_its_ask_and_its_limit(app):
     assert got["later"] == got["paused"] == got["nobody"] == []
     for pool, works in got.items():
         assert all(w.pool == pool and w.attempt == 1 and w.kind == "action" for w in works)
-    running = store.run(lambda tx: store.occupancy(tx, "wide"), readonly=True)
-    assert running == (4, 10)
+    stats = wide.stats()
+    assert (stats.running, stats.max_parallelism) == (4, 10)
 
 
 def test_shares_split_the_free_slots_evenly_and_in_turn():

@@ -756,7 +756,7 @@ class WorkModel(RuleBasedStateMachine):
     def parallelism_holds(self) -> None:
         if not hasattr(self, "pool"):
             return
-        running = self.store.run(lambda tx: self.store.occupancy(tx, POOL)[0], readonly=True)
+        running = self.pool.stats().running
         assert running == len(self.of_state("running"))
         if running <= self.limit:
             self.over_limit_ok = False

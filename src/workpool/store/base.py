@@ -436,9 +436,9 @@ class Store(abc.ABC):
                 self.notify(tx, [config.name])
         return lambda: ok
 
+    @abc.abstractmethod
     def pool_unchanged(self, tx: Tx, config: PoolConfig) -> bool:
         """Whether the pool's stored config is ``config``."""
-        return self.load_pool(tx, config.name) == config
 
     @abc.abstractmethod
     def claim(self, tx: Tx, pool: str, limit: int, worker_id: str, now: float) -> list[ClaimedWork]:
@@ -564,10 +564,6 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def prune(self, tx: Tx, pool: str, before: float, limit: int) -> int:
         """Delete up to ``limit`` finished rows of ``pool`` older than ``before``."""
-
-    @abc.abstractmethod
-    def occupancy(self, tx: Tx, pool: str) -> tuple[int, int | None]:
-        """``pool``'s running attempts and stored max_parallelism (None: no config)."""
 
     # --- workers, counters, introspection ---------------------------------------------
     @abc.abstractmethod

@@ -296,15 +296,6 @@ class SqlStore(SqlReads, Store):
         else:
             tx.connection.executemany(sql, rows)
 
-    def occupancy(self, tx: Tx, pool: str) -> tuple[int, int | None]:
-        row = self.q(
-            tx,
-            "SELECT (SELECT count(*) FROM {s}work WHERE pool = ? AND state = 'running'),"
-            " (SELECT max_parallelism FROM {s}pools WHERE name = ?)",
-            (pool, pool),
-        ).fetchone()
-        return int(row[0]), None if row[1] is None else int(row[1])
-
     # The claim: the next due pending rows of one pool, up to a limit, become running.
     _CLAIM = (
         "UPDATE {s}work SET state = 'running', attempt = attempt + 1, worker_id = ?,"
