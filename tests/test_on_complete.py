@@ -648,3 +648,49 @@ def test_handlers_of_one_batch_see_their_rowcounts_and_a_failing_one_is_found(
     assert "null" in error.lower()
     # The aborted pass is ended quietly: the handler's failure is reported once, by us.
     assert [r.getMessage() for r in caplog.records if r.name.startswith("psycopg")] == []
+
+
+def test_one_batch_of_mixed_outcomes_runs_each_live_handler_once(app, rec: Recorder):
+    """One completer batch: successes with and without on_complete, a failure with
+    one, and the success of an attempt that is no longer the row's. Each live handler
+    runs once with its own context and result, the stale one's not at all, and each
+    outcome is recorded and counted."""
+    import dataclasses
+
+    from workpool.core.decide import Raised, Succeeded
+    from workpool.runtime.worker import Worker, WorkerOptions
+
+    @app.action(name="job")
+    def job() -> None:
+        pass
+
+    @app.mutation(name="note")
+    def note(tx, work_id, context, result):
+        rec.add(work_id=work_id, context=context, result=result)
+
+    pool = app.pool("mixed", max_parallelism=10)
+    handled = [pool.enqueue_action(job, on_complete=note, context={"n": i}) for i in range(3)]
+    plain = pool.enqueue_action(job)
+    failing = pool.enqueue_action(job, on_complete=note, context={"n": "f"})
+    stale = pool.enqueue_action(job, on_complete=note, context={"n": "s"})
+    worker = Worker(app.store, app.registry, WorkerOptions(pools=["mixed"]), clock=app.clock)
+    now = app.clock()
+    claimed = app.store.run(lambda tx: app.store.claim(tx, "mixed", 10, worker.info.id, now))
+    by_id = {work.id: work for work in claimed}
+    assert len(by_id) == 6
+    batch = [(by_id[wid], Succeeded(None), 0.0) for wid in [*handled, plain]]
+    batch.append((by_id[failing], Raised("boom", retryable=False), 0.0))
+    batch.append((dataclasses.replace(by_id[stale], attempt=2), Succeeded(None), 0.0))
+    worker._record(batch)
+
+    assert sorted((c["work_id"], c["context"], c["result"]) for c in rec.calls) == sorted(
+        [(wid, {"n": i}, workpool.Success(None)) for i, wid in enumerate(handled)]
+        + [(failing, {"n": "f"}, workpool.Failed("boom"))]
+    )
+    for wid in [*handled, plain]:
+        assert pool.status(wid) == workpool.Finished(workpool.Success(None)), wid
+    assert pool.status(failing) == workpool.Finished(workpool.Failed("boom"))
+    status = pool.status(stale)
+    assert (status.state, status.attempt) == ("running", 1), status
+    stats = pool.stats()
+    assert (stats.succeeded, stats.failed, stats.completed) == (4, 1, 5)

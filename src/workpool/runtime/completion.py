@@ -268,20 +268,50 @@ class Completion:
         changes: Changes,
         worker_id: str,
     ) -> Callable[[], None]:
-        """Actions without on_complete that returned a value, with their durations.
+        """Actions that returned a value, with their durations; their on_complete
+        handlers run here too while the pass is optimistic (``Changes.optimistic``).
 
         Whatever the row holds (retry policy, cancel flag), success finishes the
         work, so it is finished by a compare-and-set on (state, attempt) without
-        reading the rows first; the store counts the ones that took. Their slots
-        count as freed in ``changes`` (a stale one frees none: at worst a needless
-        wake-up). Calling the result, after the COMMIT, logs the ones that took.
+        reading the rows first; the store counts the ones that took. Only the rows
+        with a handler are read (and locked) first, for the handler and its context.
+        Their slots count as freed in ``changes`` (a stale one frees none: at worst a
+        needless wake-up). Calling the result, after the COMMIT, logs the ones that
+        took.
         """
+        handled = [(w.id, w.attempt) for w, _, _ in batch if w.has_on_complete]
+        if handled:
+            batch = self._run_handlers(tx, batch, handled)
         # Sorted: rows are locked in one global order, as everywhere else.
         items = sorted((w.id, w.attempt, _success_json(o)) for w, o, _ in batch)
         finished = self.store.finish_succeeded(tx, items, now, worker_id)
         for pool, count in Counter(work.pool for work, _, _ in batch).items():
             changes.direct[pool] = changes.direct.get(pool, 0) + count
         return lambda: self._log_succeeded(batch, finished)
+
+    def _run_handlers(
+        self,
+        tx: Tx,
+        batch: Sequence[tuple[ClaimedWork, Succeeded, float]],
+        handled: list[tuple[str, int]],
+    ) -> list[tuple[ClaimedWork, Succeeded, float]]:
+        """Call the on_complete of each success in ``batch`` that has one, without a
+        savepoint (the caller's pass is optimistic: the first that raises aborts the
+        transaction); ``batch`` without the stale ones, whose handlers do not run."""
+        live = self.store.running_handlers(tx, handled)
+        kept = []
+        for item in batch:
+            work, outcome, _ = item
+            if work.has_on_complete:
+                found = live.get(work.id)
+                if found is None:
+                    continue  # rescued or canceled meanwhile: not ours to finish
+                on_complete, context = found
+                self._run_handler(
+                    tx, work.id, on_complete, context, Success(outcome.value), optimistic=True
+                )
+            kept.append(item)
+        return kept
 
     def _log_succeeded(
         self,
@@ -330,7 +360,7 @@ class Completion:
             changes.finished.append(Finishing(work, result.kind, result_json))
             return
         error = changes.known_failures.get(work.id) or self._run_handler(
-            tx, work, result, changes.optimistic
+            tx, work.id, work.on_complete, work.context, result, changes.optimistic
         )
         if error is None:
             changes.finished.append(Finishing(work, result.kind, result_json))
@@ -357,37 +387,43 @@ class Completion:
         changes.handed.append(Handing(work, result_json, due_at, failures, error[0]))
 
     def _run_handler(
-        self, tx: Tx, work: ActiveWork, result: Result, optimistic: bool
+        self,
+        tx: Tx,
+        work_id: str,
+        on_complete: str | None,
+        stored_context: str | None,
+        result: Result,
+        optimistic: bool,
     ) -> tuple[str, str] | None:
         """Call on_complete in a savepoint; the error and traceback if it raised."""
-        assert work.on_complete is not None
-        spec = self.registry.get(work.on_complete)
+        assert on_complete is not None
+        spec = self.registry.get(on_complete)
         if spec is None or spec.kind != "mutation":
-            text = f"on_complete {work.on_complete!r} is not a mutation registered in this App"
+            text = f"on_complete {on_complete!r} is not a mutation registered in this App"
             if optimistic:
-                raise HandlerRaised(work.id, text, "")
+                raise HandlerRaised(work_id, text, "")
             return text, ""
         try:
             # "null" is what an enqueue without a context stores: skip the parser.
-            context = None if work.context in (None, "null") else json.loads(work.context)
+            context = None if stored_context in (None, "null") else json.loads(stored_context)
         except (ValueError, RecursionError) as exc:
             text = f"{CORRUPT_CONTEXT}: {describe_error(exc)}"
             if optimistic:
-                raise HandlerRaised(work.id, text, "") from exc
+                raise HandlerRaised(work_id, text, "") from exc
             return text, ""
         try:
             if optimistic:
-                spec.fn(tx, work_id=work.id, context=context, result=result)
+                spec.fn(tx, work_id=work_id, context=context, result=result)
             else:
                 with self.store.savepoint(tx):
-                    spec.fn(tx, work_id=work.id, context=context, result=result)
+                    spec.fn(tx, work_id=work_id, context=context, result=result)
         except Exception as exc:
             if self.store.is_transient(exc):
                 raise  # the whole transaction is retried
             if optimistic:
                 # The redo runs each handler in its own savepoint, so it finds out
                 # whose a pipelined database error was.
-                blamed = None if tx.pipelined and self.from_database(exc) else work.id
+                blamed = None if tx.pipelined and self.from_database(exc) else work_id
                 raise HandlerRaised(blamed, describe_error(exc), traceback.format_exc()) from exc
             return describe_error(exc), traceback.format_exc()
         return None

@@ -773,7 +773,13 @@ class Worker:
         simple: list[tuple[ClaimedWork, Succeeded, float]] = []
         rest: list[tuple[ClaimedWork, AttemptOutcome, float]] = []
         for work, outcome, duration in batch:
-            if type(outcome) is Succeeded and work.kind == "action" and not work.has_on_complete:
+            # A success's on_complete runs on the short path too while the pass is
+            # optimistic; the redo after a handler raised gives each its savepoint.
+            if (
+                type(outcome) is Succeeded
+                and work.kind == "action"
+                and (optimistic or not work.has_on_complete)
+            ):
                 simple.append((work, outcome, duration))
             else:
                 rest.append((work, outcome, duration))

@@ -501,6 +501,14 @@ class Store(abc.ABC):
         ids that were still running that attempt (the others are stale)."""
 
     @abc.abstractmethod
+    def running_handlers(
+        self, tx: Tx, items: Sequence[tuple[str, int]]
+    ) -> dict[str, tuple[str, str | None]]:
+        """For (id, attempt) pairs: the on_complete and stored context of each row
+        still running that attempt with an on_complete, by id, locked as
+        ``load_many_for_update`` locks them."""
+
+    @abc.abstractmethod
     def retry_many(self, tx: Tx, items: Sequence[Retrying], *, at_commit: bool = False) -> None:
         """running -> pending at each item's due time (CAS on attempt)."""
 

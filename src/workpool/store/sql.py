@@ -419,6 +419,26 @@ class SqlStore(SqlReads, Store):
                 found[row[0]] = active_row(row)
         return found
 
+    def running_handlers(
+        self, tx: Tx, items: Sequence[tuple[str, int]]
+    ) -> dict[str, tuple[str, str | None]]:
+        wanted = dict(items)
+        found: dict[str, tuple[str, str | None]] = {}
+        # The rows are locked as load_many_for_update locks them, in id order; state and
+        # attempt are checked here rather than in the statement, as there.
+        for chunk in self.iter_chunks(sorted(storable(list(wanted))), IN_CHUNK):
+            match, params = self._id_in("w.id", chunk)
+            rows = self.q(
+                tx,
+                "SELECT w.id, w.state, w.attempt, w.on_complete, {context_w}"
+                f" FROM {{s}}work w WHERE {match} ORDER BY w.id" + self.for_update,
+                params,
+            ).fetchall()
+            for work_id, state, attempt, on_complete, context in rows:
+                if state == "running" and attempt == wanted[work_id] and on_complete is not None:
+                    found[work_id] = (on_complete, context)
+        return found
+
     def retry_many(self, tx: Tx, items: Sequence[Retrying], *, at_commit: bool = False) -> None:
         if not items:
             return
