@@ -17,9 +17,11 @@ from workpool.store.sql import SqlStore
 from workpool.store.sql_reads import IN_CHUNK, storable
 from workpool.store.sqlite.migrations import MIGRATIONS
 
-# How long one statement waits for another process's write lock before SQLite
-# reports "busy"; ``run`` then retries the whole transaction, so a busy error
-# only reaches users when the file is held for minutes.
+# How long BEGIN IMMEDIATE polls for another process's write lock before it
+# reports "busy". Connections have no busy timeout of their own: only BEGIN
+# IMMEDIATE waits for a lock in WAL mode (readers never wait, except in rare
+# moments such as another process closing the file), and ``run`` retries a
+# transaction that met "busy" anywhere else.
 BUSY_TIMEOUT_S = 30.0
 # A commit that takes the WAL past this many pages copies it into the database
 # file itself, syncing it: 5-10 ms on a slow disk, inside a claim's commit, which
@@ -81,7 +83,7 @@ class SqliteStore(SqlStore):
         try:
             conn = sqlite3.connect(
                 self.path,
-                timeout=BUSY_TIMEOUT_S,
+                timeout=0,
                 isolation_level=None,
                 check_same_thread=False,
             )
@@ -105,10 +107,16 @@ class SqliteStore(SqlStore):
         if self._migrated:
             return
         conn = self._connection()
-        if conn.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS):
-            self._migrated = True  # current: no need to wait for the write lock
+        try:
+            current = conn.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS)
+        except sqlite3.OperationalError as exc:
+            if not self.is_transient(exc):
+                raise
+            current = False  # the file is busy for a moment: read it again under the lock
+        if current:
+            self._migrated = True  # no need to wait for the write lock
             return
-        conn.execute("BEGIN IMMEDIATE")
+        self._begin_immediate(conn)
         try:
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             for number, script in enumerate(MIGRATIONS[version:], start=version + 1):
@@ -134,23 +142,21 @@ class SqliteStore(SqlStore):
 
         SQLite's own busy handler sleeps 1, 2, 5, 10 ... 100 ms between tries, so a
         worker waiting behind another process's short write would idle for tens of
-        milliseconds; this polls fast and backs off only to 1 ms.
+        milliseconds; this polls fast and backs off only to 1 ms. (Setting the busy
+        timeout to 0 for the BEGIN and back after it was two statements more in
+        every write: 57 of the 430 us of a single enqueue after an idle spell.)
         """
-        conn.execute("PRAGMA busy_timeout = 0")
-        try:
-            delay = 0.0002
-            give_up = time.monotonic() + BUSY_TIMEOUT_S
-            while True:
-                try:
-                    conn.execute("BEGIN IMMEDIATE")
-                    return
-                except sqlite3.OperationalError as exc:
-                    if not self.is_transient(exc) or time.monotonic() > give_up:
-                        raise
-                time.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, 0.001)
-        finally:
-            conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+        delay = 0.0002
+        give_up = time.monotonic() + BUSY_TIMEOUT_S
+        while True:
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                return
+            except sqlite3.OperationalError as exc:
+                if not self.is_transient(exc) or time.monotonic() > give_up:
+                    raise
+            time.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, 0.001)
 
     def _begin(
         self, readonly: bool, snapshot: bool
