@@ -131,13 +131,14 @@ def test_status_is_answered_from_the_database(app, store_url):
 
 def test_status_ttl_expired_work_is_removed_by_the_pools_cleanup(app, store_url):
     @app.action(name="job")
-    def job() -> None:
+    def job(blob: str) -> None:
         pass
 
     pool = app.pool("short_lived", status_ttl=0.2)
     keep_pool = app.pool("long_lived")
-    wid = pool.enqueue_action(job, run_after=60)
-    kept = keep_pool.enqueue_action(job, run_after=60)
+    big = {"blob": "x" * 5000}  # on SQLite, args this big live in their own table
+    wid = pool.enqueue_action(job, big, run_after=60)
+    kept = keep_pool.enqueue_action(job, big, run_after=60)
     pool.cancel(wid)
     keep_pool.cancel(kept)
     finished_at = time.time()
@@ -153,8 +154,8 @@ def test_status_ttl_expired_work_is_removed_by_the_pools_cleanup(app, store_url)
     assert pool.status(wid) == workpool.Finished(None)
     assert app.inspect(wid) is None
     assert keep_pool.status(kept) == workpool.Finished(workpool.Canceled())
-    assert app.inspect(kept).args == {}  # type: ignore[union-attr]
-    if store_url.startswith("sqlite"):  # args live in their own table there: gone too
+    assert app.inspect(kept).args == big  # type: ignore[union-attr]
+    if store_url.startswith("sqlite"):  # big args live in their own table there: gone too
         with app.transaction() as tx:
             ids = [r[0] for r in tx.execute("SELECT id FROM payloads").fetchall()]
         assert ids == [kept]
@@ -642,3 +643,50 @@ def test_a_first_schema_store_upgrades_in_place_keeping_its_work(
         assert new.inspect(pending).args == {"a": 2, "b": 3}  # type: ignore[union-attr]
     finally:
         new.close()
+
+
+@pytest.mark.parametrize("size", [0, 200, 300, 100_000])
+def test_args_and_context_of_any_size_reach_the_action_the_handler_and_inspect(
+    app: workpool.App, size: int
+) -> None:
+    """SQLite keeps small args and context in the work row and big ones apart (the
+    limit is 512 characters together): on both stores every size must arrive whole,
+    at the action, at on_complete, and in inspect and recent_failures, while the work
+    is pending and once it has finished, in a batch and alone."""
+    seen: list[tuple[str, object]] = []
+
+    @app.action(name="echo")
+    def echo(text: str, fail: bool) -> int:
+        seen.append(("action", text))
+        if fail:
+            raise workpool.NonRetryableError("asked to fail")
+        return len(text)
+
+    @app.mutation(name="noted")
+    def noted(tx: workpool.Tx, work_id: str, context: object, result: object) -> None:
+        seen.append(("handler", context))
+
+    pool = app.pool(f"sizes{size}")
+    text, note = "a" * size, {"note": "c" * size}
+    alone = pool.enqueue_action(
+        echo, {"text": text, "fail": False}, on_complete=noted, context=note
+    )
+    batch = pool.enqueue_action_batch(
+        echo,
+        [{"text": text, "fail": False}, {"text": text + "b", "fail": True}],
+        on_complete=noted,
+        context=note,
+    )
+    for wid, args in [
+        (alone, {"text": text, "fail": False}),
+        (batch[1], {"text": text + "b", "fail": True}),
+    ]:
+        assert app.inspect(wid).args == args  # type: ignore[union-attr]
+    run_until_idle(app)
+    assert sorted(v for k, v in seen if k == "action") == sorted([text, text, text + "b"])
+    assert [v for k, v in seen if k == "handler"] == [note] * 3
+    assert pool.status(alone) == workpool.Finished(workpool.Success(size))
+    assert pool.status(batch[0]) == workpool.Finished(workpool.Success(size))
+    assert app.inspect(alone).args == {"text": text, "fail": False}  # type: ignore[union-attr]
+    (failure,) = pool.recent_failures()
+    assert (failure.work_id, failure.args) == (batch[1], {"text": text + "b", "fail": True})
