@@ -645,6 +645,37 @@ def test_a_first_schema_store_upgrades_in_place_keeping_its_work(
         new.close()
 
 
+def test_a_store_migrated_by_a_newer_version_is_refused(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+):
+    """A store that a newer workpool has migrated may hold rows this version would
+    misread (SQLite schema 4 keeps small args in the work row, where schema 3 code
+    would not look): this version must refuse it with a clear error, and change
+    nothing."""
+    import workpool.store.postgres.store as pg_store
+    import workpool.store.sqlite.store as sqlite_store
+
+    module = sqlite_store if store_url.startswith("sqlite") else pg_store
+    full = list(module.MIGRATIONS)
+    monkeypatch.setattr(module, "MIGRATIONS", [*full, "SELECT 1"])
+    newer = workpool.App(store_url)
+    newer._migrate()
+    newer.close()
+    monkeypatch.setattr(module, "MIGRATIONS", full)
+    older = workpool.App(store_url)
+    try:
+        with pytest.raises(workpool.StoreError, match=rf"schema {len(full) + 1}.*newer"):
+            older.pool("p").stats()
+    finally:
+        older.close()
+    monkeypatch.setattr(module, "MIGRATIONS", [*full, "SELECT 1"])
+    again = workpool.App(store_url)
+    try:
+        assert again.pool("p").stats().backlog == 0
+    finally:
+        again.close()
+
+
 @pytest.mark.parametrize("size", [0, 200, 300, 100_000])
 def test_args_and_context_of_any_size_reach_the_action_the_handler_and_inspect(
     app: workpool.App, size: int

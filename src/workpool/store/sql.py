@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any, ClassVar
 
-from workpool.core.errors import StoreUnavailableError
+from workpool.core.errors import StoreError, StoreUnavailableError
 from workpool.core.retry import RetryBehavior
 from workpool.store.base import (
     ActiveWork,
@@ -30,6 +30,16 @@ NEXT_DUE_CHUNK = 100  # pools per next_due statement: two terms each, SQLite all
 
 def _retry_json(retry: RetryBehavior | None) -> str | None:
     return None if retry is None else json.dumps(retry.to_json())
+
+
+def check_schema(found: int, known: int) -> None:
+    """Refuse a store that a newer workpool has migrated past the ``known`` schemas:
+    its rows may be laid out in a way this version would misread."""
+    if found > known:
+        raise StoreError(
+            f"the store is at schema {found}, newer than this workpool knows ({known}):"
+            " a newer version migrated it; upgrade workpool here"
+        )
 
 
 class SqlStore(SqlReads, Store):

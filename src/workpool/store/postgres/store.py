@@ -31,7 +31,7 @@ from workpool.store.base import (
     minute_of,
 )
 from workpool.store.postgres.migrations import MIGRATIONS
-from workpool.store.sql import SqlStore
+from workpool.store.sql import SqlStore, check_schema
 from workpool.store.sql_reads import ACTIVE_COLUMNS, active_row, storable
 
 # A claim reads at most this many bytes of args (and always one row). A worker that
@@ -296,6 +296,7 @@ class PostgresStore(SqlStore):
         )
         row = tx.execute(f"SELECT max(version) FROM {self.table_prefix}schema_version").fetchone()
         version = int(row[0] or 0)
+        check_schema(version, len(MIGRATIONS))
         for number, script in enumerate(MIGRATIONS[version:], start=version + 1):
             tx.execute(script.replace("{s}", self.table_prefix))
             tx.execute(f"INSERT INTO {self.table_prefix}schema_version VALUES (%s)", (number,))

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from workpool.core.errors import InvalidArgumentError, StoreUnavailableError
 from workpool.store.base import Counters, Finishing, Tx, Watcher, minute_of
-from workpool.store.sql import SqlStore
+from workpool.store.sql import SqlStore, check_schema
 from workpool.store.sql_reads import IN_CHUNK, storable
 from workpool.store.sqlite.migrations import MIGRATIONS
 
@@ -123,6 +123,7 @@ class SqliteStore(SqlStore):
         self._begin_immediate(conn)
         try:
             version = conn.execute("PRAGMA user_version").fetchone()[0]
+            check_schema(version, len(MIGRATIONS))
             for number, script in enumerate(MIGRATIONS[version:], start=version + 1):
                 for statement in script.split(";"):
                     if statement.strip():
