@@ -150,7 +150,7 @@ class SqliteStore(SqlStore):
         milliseconds; this polls faster and backs off only to 2 ms. Not much faster:
         a first wait of 0.1-0.3 ms made 4 processes enqueueing one item at a time on
         2 cores retry in vain so often that they managed 10.8k calls/s together,
-        against 17-18k with this one (worker drains unchanged). (Setting the busy
+        against 16.6-17.7k with this one (worker drains unchanged). (Setting the busy
         timeout to 0 for the BEGIN and back after it was two statements more in
         every write: 57 of the 430 us of a single enqueue after an idle spell.)
         """
