@@ -436,7 +436,7 @@ class SqlStore(SqlReads, Store):
         found: dict[str, tuple[str, str | None]] = {}
         # The rows are locked as load_many_for_update locks them, in id order; state and
         # attempt are checked here rather than in the statement, as there.
-        for chunk in self.iter_chunks(sorted(storable(list(wanted))), IN_CHUNK):
+        for chunk in self._id_chunks(sorted(storable(list(wanted)))):
             match, params = self._id_in("w.id", chunk)
             rows = self.q(
                 tx,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from workpool.core import histogram
 from workpool.core.results import WorkInfo, result_from_json
@@ -81,10 +81,6 @@ def storable(ids: Sequence[str]) -> list[str]:
     return [i for i in ids if "\x00" not in i]
 
 
-def _chunks(ids: Sequence[str]) -> list[Sequence[str]]:
-    return [ids[i : i + IN_CHUNK] for i in range(0, len(ids), IN_CHUNK)]
-
-
 class SqlReads:
     """Queries that answer operators and clients; mixed into SqlStore, which runs them."""
 
@@ -94,9 +90,19 @@ class SqlReads:
     def _sql(self, template: str) -> str:
         raise NotImplementedError
 
+    # Ids per ``_id_in`` match: a mark each here, so well under SQLite's variable
+    # limit; a store whose match takes them as one array needs no chunks.
+    ids_per_read: ClassVar[int] = IN_CHUNK
+
     def _id_in(self, column: str, ids: Sequence[str]) -> tuple[str, list[Any]]:
-        """``column`` matching one of ``ids``, and its parameters."""
+        """``column`` matching one of ``ids`` (at most ``ids_per_read``), and its
+        parameters."""
         return f"{column} IN ({', '.join('?' * len(ids))})", list(ids)
+
+    def _id_chunks(self, ids: Sequence[str]) -> list[Sequence[str]]:
+        """``ids`` in chunks that one ``_id_in`` match each takes."""
+        step = self.ids_per_read
+        return [ids[i : i + step] for i in range(0, len(ids), step)]
 
     _SUMMED = (
         "completed",
@@ -188,7 +194,7 @@ class SqlReads:
     def statuses(self, tx: Tx, ids: Sequence[str]) -> dict[str, StatusRow]:
         found: dict[str, StatusRow] = {}
         ids = storable(ids)
-        for chunk in _chunks(ids):
+        for chunk in self._id_chunks(ids):
             active, active_params = self._id_in("w.id", chunk)
             done, done_params = self._id_in("f.id", chunk)
             # One statement, so one snapshot and one round trip: the active rows, with
