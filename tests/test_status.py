@@ -683,7 +683,8 @@ def test_args_and_context_of_any_size_reach_the_action_the_handler_and_inspect(
     """SQLite keeps small args and context in the work row and big ones apart (the
     limit is 512 characters together): on both stores every size must arrive whole,
     at the action, at on_complete, and in inspect and recent_failures, while the work
-    is pending and once it has finished, in a batch and alone."""
+    is pending and once it has finished, in a batch (even one with items on both
+    sides of the limit) and alone."""
     seen: list[tuple[str, object]] = []
 
     @app.action(name="echo")
@@ -698,26 +699,27 @@ def test_args_and_context_of_any_size_reach_the_action_the_handler_and_inspect(
         seen.append(("handler", context))
 
     pool = app.pool(f"sizes{size}")
-    text, note = "a" * size, {"note": "c" * size}
+    # At 200 the batch's second item is over the limit and its first is not.
+    text, longer, note = "a" * size, "a" * size + "b" * 100, {"note": "c" * size}
     alone = pool.enqueue_action(
         echo, {"text": text, "fail": False}, on_complete=noted, context=note
     )
     batch = pool.enqueue_action_batch(
         echo,
-        [{"text": text, "fail": False}, {"text": text + "b", "fail": True}],
+        [{"text": text, "fail": False}, {"text": longer, "fail": True}],
         on_complete=noted,
         context=note,
     )
     for wid, args in [
         (alone, {"text": text, "fail": False}),
-        (batch[1], {"text": text + "b", "fail": True}),
+        (batch[1], {"text": longer, "fail": True}),
     ]:
         assert app.inspect(wid).args == args  # type: ignore[union-attr]
     run_until_idle(app)
-    assert sorted(v for k, v in seen if k == "action") == sorted([text, text, text + "b"])
+    assert sorted(v for k, v in seen if k == "action") == sorted([text, text, longer])
     assert [v for k, v in seen if k == "handler"] == [note] * 3
     assert pool.status(alone) == workpool.Finished(workpool.Success(size))
     assert pool.status(batch[0]) == workpool.Finished(workpool.Success(size))
     assert app.inspect(alone).args == {"text": text, "fail": False}  # type: ignore[union-attr]
     (failure,) = pool.recent_failures()
-    assert (failure.work_id, failure.args) == (batch[1], {"text": text + "b", "fail": True})
+    assert (failure.work_id, failure.args) == (batch[1], {"text": longer, "fail": True})
