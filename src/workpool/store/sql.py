@@ -545,15 +545,32 @@ class SqlStore(SqlReads, Store):
         return bool(cur.rowcount == 1)
 
     def cancelable_ids(self, tx: Tx, pool: str, before: float, limit: int) -> list[str]:
-        rows = self.q(
-            tx,
-            # Walks the (pool, state, ...) index: canceled pending rows leave the state,
-            # flagged running rows are at most max_parallelism, so each page is cheap.
-            "SELECT id FROM {s}work WHERE pool = ? AND state IN ('pending', 'running')"
-            " AND cancel_requested = 0 AND enqueued_at <= ? LIMIT ?",
-            (pool, before, limit),
-        ).fetchall()
-        return [r[0] for r in rows]
+        # Running rows first, then pending ones in the order they would start. One
+        # range of the (pool, state, due_at, id) index each: canceled pending rows
+        # leave the range, flagged running ones are at most max_parallelism. Not one
+        # query over both states: with no statistics yet (a backlog enqueued in one
+        # transaction), PostgreSQL read that IN with a bitmap scan of the whole
+        # backlog for every page (cancel_all of 200k pending: 89 s instead of 15 s).
+        ids = [
+            r[0]
+            for r in self.q(
+                tx,
+                "SELECT id FROM {s}work WHERE pool = ? AND state = 'running'"
+                " AND cancel_requested = 0 AND enqueued_at <= ? LIMIT ?",
+                (pool, before, limit),
+            ).fetchall()
+        ]
+        if len(ids) < limit:
+            ids += [
+                r[0]
+                for r in self.q(
+                    tx,
+                    "SELECT id FROM {s}work WHERE pool = ? AND state = 'pending'"
+                    " AND enqueued_at <= ? ORDER BY due_at, id LIMIT ?",
+                    (pool, before, limit - len(ids)),
+                ).fetchall()
+            ]
+        return ids
 
     # --- workers, counters, introspection ---------------------------------------------------
     def heartbeat(self, tx: Tx, worker: WorkerInfo, now: float, expires_at: float) -> None:
