@@ -103,6 +103,54 @@ def test_queries_beside_mutations_keep_none_of_their_writes(app, user_table: Use
     assert [r.return_value for r in results[1::2]] == [i + 2 for i in range(5)]
 
 
+def test_a_batch_of_queries_sees_no_query_writes_and_fails_only_the_bad_ones(
+    app, user_table: UserTable
+):
+    """On PostgreSQL the queries of one claim share one read-only savepoint; a query
+    that writes, or whose SQL fails, sends the batch to the redo with a savepoint
+    each. Either way each query sees its own writes and no other query's, and a
+    failing query fails alone."""
+    with app.transaction() as tx:
+        user_table.insert(tx, "seed")
+
+    @app.query(name="count")
+    def count(tx, i: int) -> int:
+        if i == 5:
+            raise ValueError("planned")
+        return user_table.count(tx)
+
+    @app.query(name="write_and_count")
+    def write_and_count(tx, i: int) -> int:
+        user_table.insert(tx, f"q{i}")
+        return user_table.count(tx)
+
+    @app.query(name="bad_sql")
+    def bad_sql(tx, i: int) -> int:
+        tx.execute("SELECT no_such_column FROM no_such_table")
+        return -1
+
+    pool = app.pool("queries")
+    readers = pool.enqueue_query_batch(count, [{"i": i} for i in range(10)])
+    run_until_idle(app, concurrency=len(readers))
+    assert [s.result for s in pool.status_batch(readers)] == [
+        workpool.Failed("ValueError: planned") if i == 5 else workpool.Success(1) for i in range(10)
+    ]
+
+    for other in (write_and_count, bad_sql):  # in batches of their own: each sends it to the redo
+        wids = []
+        for i in range(4):
+            wids += pool.enqueue_query_batch(other, [{"i": i}])
+            wids += pool.enqueue_query_batch(count, [{"i": 10 + i}])
+        run_until_idle(app, concurrency=len(wids))
+        results = [s.result for s in pool.status_batch(wids)]
+        assert results[1::2] == [workpool.Success(1)] * 4, results  # the seed alone
+        if other is write_and_count:
+            assert results[0::2] == [workpool.Success(2)] * 4, results  # the seed and its own
+        else:
+            assert [r.kind for r in results[0::2]] == ["failed"] * 4, results
+    assert user_table.rows() == [("seed", None)]
+
+
 def test_a_batch_that_cannot_commit_still_commits_the_good_calls(app, store_url, rec):
     schema = pg_schema_of(store_url)
     if schema is None:

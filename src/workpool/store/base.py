@@ -304,6 +304,9 @@ class Store(abc.ABC):
     """Domain operations over the database; every state change is a compare-and-set."""
 
     url: str
+    # Whether a savepoint costs round trips to the server: then the queries of one
+    # batch share a read_only block instead of taking a savepoint each.
+    savepoints_cost: bool = False
 
     # --- lifecycle and transactions -------------------------------------------------
     @abc.abstractmethod
@@ -349,6 +352,11 @@ class Store(abc.ABC):
 
         ``keep=False`` rolls its writes back on a normal exit too (queries).
         """
+
+    def read_only(self, tx: Tx) -> AbstractContextManager[None]:
+        """A savepoint rolled back at its end, in which writes fail where the store
+        can refuse them: one for several queries, where ``savepoints_cost``."""
+        return self.savepoint(tx, keep=False)
 
     def send_begin(self, tx: Tx) -> None:
         """Send ``tx``'s pending BEGIN (``Tx.begin``) on its own."""

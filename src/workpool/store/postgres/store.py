@@ -133,6 +133,7 @@ class PostgresStore(SqlStore):
     param = "%s"
     for_update = " FOR UPDATE"
     skip_locked = " FOR UPDATE SKIP LOCKED"
+    savepoints_cost = True  # SAVEPOINT and RELEASE: a round trip each
     PAYLOAD_SQL: ClassVar[dict[str, str]] = {
         "{args_w}": "w.args",
         "{args_f}": "f.args",
@@ -262,6 +263,14 @@ class PostgresStore(SqlStore):
 
     def is_transient(self, exc: BaseException) -> bool:
         return isinstance(exc, TRANSIENT)
+
+    @contextmanager
+    def read_only(self, tx: Tx) -> Iterator[None]:
+        with self.savepoint(tx, keep=False):
+            # Going read-only is allowed at any point of a transaction; the rollback
+            # to the savepoint undoes it.
+            tx.connection.execute("SET LOCAL transaction_read_only = on")
+            yield
 
     def is_database_error(self, exc: BaseException) -> bool:
         return isinstance(exc, psycopg.Error)
