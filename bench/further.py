@@ -1,0 +1,223 @@
+"""workpool alone on workloads beyond the issue's: the paths a user meets that
+the side-by-side benchmark does not time (queries, mutations, async actions,
+failures, many pools, a 200k batch, status and cancel of it, scheduled work,
+producers on threads and in asyncio).
+
+    bench/.venv/bin/python bench/further.py [--store sqlite|postgresql] [--only a,b]
+
+Each workload gets a fresh store (a new SQLite file; PostgreSQL: the database
+`bench_further`, dropped and created again) and runs its worker in this process
+(`run_worker(until_idle=True)`, concurrency 400), so rates are of one process, not
+comparable with bench/run.py's two worker processes. It prints one line per
+number; nothing is checked against a target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+
+import workpool
+
+PG_ADMIN = os.environ.get("BENCH_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
+DB = "bench_further"
+
+
+def fresh_url(store: str) -> str:
+    if store == "sqlite":
+        return f"sqlite:///{tempfile.mkdtemp(prefix='wp-further-')}/workpool.db"
+    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {DB} WITH (FORCE)")
+        conn.execute(f"CREATE DATABASE {DB}")
+    return PG_ADMIN.rsplit("/", 1)[0] + f"/{DB}"
+
+
+def build(store: str) -> Any:
+    app = workpool.App(fresh_url(store))
+
+    @app.action(name="noop")
+    def noop(i: int) -> None:
+        pass
+
+    @app.action(name="anoop")
+    async def anoop(i: int) -> None:
+        pass
+
+    @app.action(name="fail")
+    def fail(i: int) -> None:
+        raise RuntimeError("planned")
+
+    @app.mutation(name="mutation")
+    def mutation(tx: Any, i: int) -> int:
+        return i
+
+    @app.query(name="query")
+    def query(tx: Any, i: int) -> int:
+        return i
+
+    return app
+
+
+def drain(app: Any) -> float:
+    started = time.perf_counter()
+    app.run_worker(concurrency=400, until_idle=True)
+    return time.perf_counter() - started
+
+
+def report(store: str, what: str, value: str) -> None:
+    print(f"{store:10s} {what:55s} {value}", flush=True)
+
+
+def enqueue_and_drain(
+    label: str, enqueue: str, fn: str, n: int = 10_000, **kw: Any
+) -> Callable[[str], None]:
+    def workload(store: str) -> None:
+        app = build(store)
+        pool = app.pool("p", max_parallelism=100_000)
+        getattr(pool, enqueue)(fn, [{"i": i} for i in range(n)], **kw)
+        report(store, f"drain {n:,} {label}: jobs/s", f"{n / drain(app):,.0f}")
+        app.close()
+
+    return workload
+
+
+def many_pools(store: str) -> None:
+    app = build(store)
+    pools = [app.pool(f"p{k}", max_parallelism=10) for k in range(50)]
+    for pool in pools:
+        pool.enqueue_action_batch("noop", [{"i": i} for i in range(200)])
+    report(store, "drain 50 pools x 200 (limit 10 each) jobs/s", f"{10_000 / drain(app):,.0f}")
+    app.close()
+
+
+def big_batch(store: str) -> None:
+    app = build(store)
+    pool = app.pool("p", max_parallelism=100_000)
+    n = 200_000
+    started = time.perf_counter()
+    ids = pool.enqueue_action_batch("noop", [{"i": i} for i in range(n)])
+    report(
+        store, f"one enqueue batch of {n:,}: jobs/s", f"{n / (time.perf_counter() - started):,.0f}"
+    )
+    started = time.perf_counter()
+    pool.status_batch(ids[:20_000])
+    report(store, "status_batch of 20,000: ms", f"{(time.perf_counter() - started) * 1e3:,.0f}")
+    started = time.perf_counter()
+    canceled = pool.cancel_all()
+    report(store, f"cancel_all of {canceled:,}: s", f"{time.perf_counter() - started:.2f}")
+    app.close()
+
+
+def scheduled(store: str) -> None:
+    app = build(store)
+    pool = app.pool("p", max_parallelism=100_000)
+    now = time.time()
+    for k in range(20):
+        pool.enqueue_action_batch("noop", [{"i": i} for i in range(250)], run_at=now + 0.5 + k / 10)
+    drain(app)
+    stats = pool.stats()
+    report(
+        store,
+        "5,000 scheduled over 2 s: lag p50/p99 (buckets)/max ms",
+        f"{stats.start_lag_p50 * 1e3:.1f} / {stats.start_lag_p99 * 1e3:.1f}"
+        f" / {stats.start_lag_max * 1e3:.1f}",
+    )
+    app.close()
+
+
+def threads(store: str) -> None:
+    app = build(store)
+    pool = app.pool("p", max_parallelism=100_000)
+    pool.enqueue_action("noop", {"i": 0})  # connect first
+    for count in (1, 4):
+        calls = 4000 // count
+
+        def produce(calls: int = calls) -> None:
+            for i in range(calls):
+                pool.enqueue_action("noop", {"i": i})
+
+        workers = [threading.Thread(target=produce) for _ in range(count)]
+        started = time.perf_counter()
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+        rate = count * calls / (time.perf_counter() - started)
+        report(store, f"single enqueues from {count} thread(s): calls/s", f"{rate:,.0f}")
+    app.close()
+
+
+def async_producers(store: str) -> None:
+    app = build(store)
+    pool = app.pool("p", max_parallelism=100_000)
+    pool.enqueue_action("noop", {"i": 0})
+
+    async def main(tasks: int) -> float:
+        async def produce() -> None:
+            for i in range(4000 // tasks):
+                await pool.enqueue_action_async("noop", {"i": i})
+
+        started = time.perf_counter()
+        await asyncio.gather(*(produce() for _ in range(tasks)))
+        return 4000 / (time.perf_counter() - started)
+
+    for tasks in (1, 8):
+        report(
+            store,
+            f"enqueue_action_async from {tasks} task(s): calls/s",
+            f"{asyncio.run(main(tasks)):,.0f}",
+        )
+    app.close()
+
+
+WORKLOADS: dict[str, Callable[[str], None]] = {
+    "actions": enqueue_and_drain("no-op actions", "enqueue_action_batch", "noop"),
+    "async": enqueue_and_drain("async no-op actions", "enqueue_action_batch", "anoop"),
+    "mutations": enqueue_and_drain("mutations", "enqueue_mutation_batch", "mutation"),
+    "queries": enqueue_and_drain("queries", "enqueue_query_batch", "query"),
+    "failures": enqueue_and_drain("failing actions", "enqueue_action_batch", "fail"),
+    "retries": enqueue_and_drain(
+        "actions failing 3 tries (10 ms backoff)",
+        "enqueue_action_batch",
+        "fail",
+        1000,
+        retry=workpool.RetryBehavior(3, 0.01, 2.0),
+    ),
+    "pools": many_pools,
+    "big-batch": big_batch,
+    "scheduled": scheduled,
+    "threads": threads,
+    "async-producers": async_producers,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--store", choices=["sqlite", "postgresql"], action="append")
+    parser.add_argument("--only", help="comma-separated: " + ", ".join(WORKLOADS))
+    args = parser.parse_args()
+    logging.getLogger("workpool").addHandler(logging.NullHandler())
+    logging.getLogger("workpool").propagate = False
+    names = args.only.split(",") if args.only else list(WORKLOADS)
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        parser.error(f"unknown workload(s) {unknown}; known: {', '.join(WORKLOADS)}")
+    for store in args.store or ["sqlite", "postgresql"]:
+        for name in names:
+            WORKLOADS[name](store)
+    if "postgresql" in (args.store or ["postgresql"]):
+        with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {DB} WITH (FORCE)")
+
+
+if __name__ == "__main__":
+    main()
