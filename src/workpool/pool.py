@@ -480,8 +480,9 @@ class Pool:
     ) -> int:
         """Cancel pending and running work enqueued at or before ``before`` (default now).
 
-        ``limit`` caps how many items are canceled in all; work is canceled in
-        transactions of a bounded size. Returns how many items were canceled.
+        ``limit`` caps how many items are canceled in all: running work first, then
+        pending work in the order it would start. Work is canceled in transactions
+        of a bounded size. Returns how many items were canceled.
         """
         if limit is not None:
             check_int(limit, "limit", 1)
