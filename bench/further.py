@@ -109,6 +109,11 @@ def big_batch(store: str) -> None:
         store, f"one enqueue batch of {n:,}: jobs/s", f"{n / (time.perf_counter() - started):,.0f}"
     )
     started = time.perf_counter()
+    pool.stats()
+    report(
+        store, f"stats() with {n:,} pending: ms", f"{(time.perf_counter() - started) * 1e3:,.0f}"
+    )
+    started = time.perf_counter()
     pool.status_batch(ids[:20_000])
     report(store, "status_batch of 20,000: ms", f"{(time.perf_counter() - started) * 1e3:,.0f}")
     started = time.perf_counter()

@@ -93,6 +93,53 @@ def test_an_enqueue_follows_config_changed_by_another_client(
     assert [c.name for c in store.run(store.load_pools)] == ["mail"]
 
 
+@pytest.mark.parametrize("where", ["alone", "in_the_callers_transaction"])
+def test_a_batch_of_several_chunks_is_enqueued_whole_with_the_stored_config(
+    app: Any, store_url: str, where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A big batch builds and inserts its rows a chunk at a time, in one transaction:
+    all of them or none, in order, and all made with the config the store holds,
+    also when it changed elsewhere since this Pool last saw it."""
+    monkeypatch.setattr("workpool.pool.ENQUEUE_CHUNK", 2)
+    attempts: dict[str, int] = {}
+
+    @app.action(name="fails")
+    def fails(i: int) -> None:
+        wid = workpool.current().work_id
+        attempts[wid] = attempts.get(wid, 0) + 1
+        raise RuntimeError("no")
+
+    pool = app.pool("bulk")
+
+    def enqueue(n: int = 5) -> list[str]:
+        args = [{"i": i} for i in range(n)]
+        if where == "alone":
+            return list(pool.enqueue_action_batch(fails, args))
+        with app.transaction() as tx:
+            return list(pool.enqueue_action_batch(fails, args, tx=tx))
+
+    before = enqueue()
+    operator = workpool.App(store_url)
+    try:
+        operator.pool("bulk").configure(
+            retry_actions_by_default=True,
+            default_retry=workpool.RetryBehavior(max_attempts=3, initial_backoff=0.001, base=1.0),
+        )
+    finally:
+        operator.close()
+    after = enqueue()  # the check fails: read the config, then insert
+    again = enqueue()  # the check passes
+    with pytest.raises(RuntimeError, match="rolled back"), app.transaction() as tx:
+        dropped = pool.enqueue_action_batch(fails, [{"i": i} for i in range(5)], tx=tx)
+        raise RuntimeError("rolled back")
+    assert len(set(before + after + again + dropped)) == 20
+    assert all(s == workpool.Finished(None) for s in pool.status_batch(dropped))
+    run_until_idle(app)
+    assert attempts == {**dict.fromkeys(before, 1), **dict.fromkeys(after + again, 3)}
+    args = [app.inspect(wid).args for wid in before + after + again]
+    assert args == [{"i": i} for i in range(5)] * 3
+
+
 def test_insert_work_if_inserts_only_while_the_config_is_the_stored_one(app: Any) -> None:
     """Every option set, with floats that do not round: the config a Pool keeps must
     pass the check, or every enqueue would quietly take two transactions."""
