@@ -10,6 +10,7 @@ call had had a transaction of its own.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -206,3 +207,34 @@ def test_a_slow_mutation_leaves_the_other_slots_to_work(app, store_url, rec: Rec
         release.set()
         wait_for(lambda: pool.status(slow_id).state == "finished", 15)
     assert pool.status(slow_id).result == workpool.Success(None)
+
+
+@pytest.mark.parametrize("kind", ["action", "mutation"])
+def test_a_worker_running_one_call_at_a_time_starts_the_next_without_the_idle_poll(app, kind: str):
+    """While every slot of a worker is busy its dispatcher is parked and the watcher
+    lets commits pass: the transaction that records the call must wake it, or work
+    enqueued next waits for the 1 s fallback poll."""
+    started: list[float] = []
+
+    @app.action(name="slow_action")
+    def slow_action(i: int) -> None:
+        started.append(time.time())
+        time.sleep(0.05)
+
+    @app.mutation(name="slow_mutation")
+    def slow_mutation(tx, i: int) -> None:
+        started.append(time.time())
+        time.sleep(0.05)
+
+    pool = app.pool("one_at_a_time")
+    fn = slow_action if kind == "action" else slow_mutation
+    enqueue = pool.enqueue_action if kind == "action" else pool.enqueue_mutation
+    lags = []
+    with background_worker(app, concurrency=1):
+        for i in range(6):
+            t0 = time.time()
+            wid = enqueue(fn, {"i": i})
+            wait_for(lambda wid=wid: pool.status(wid).state == "finished", timeout=10)
+            lags.append(started[-1] - t0)
+    # The fallback poll is 1 s; a wake-up starts each far sooner.
+    assert sorted(lags)[3] < 0.5, lags
