@@ -405,16 +405,18 @@ class Worker:
     def _watch_loop(self) -> None:
         watcher: Watcher | None = None
         while not self.stopping.is_set():
-            # A parked dispatcher is woken by whoever records the outcomes it waits
-            # for (completer, mutation batch): a commit seen meanwhile would only wake
-            # it to park again. On SQLite a busy worker's own commits are such commits:
-            # its watcher read data_version every 0.5 ms and its dispatcher woke for
-            # each, 85 us of CPU a job when running one job at a time. What changed
-            # meanwhile is seen at the first look after the dispatcher unparks.
-            if not self._unparked.wait(SHORT_POLL_S):
-                continue
             try:
                 watcher = watcher or self.store.watcher()
+                # A parked dispatcher is woken by whoever records the outcomes it
+                # waits for (completer, mutation batch): a commit seen meanwhile would
+                # only wake it to park again. On SQLite a busy worker's own commits are
+                # such commits: its probe read data_version every 0.5 ms and its
+                # dispatcher woke for each, 85 us of CPU a job when running one job at
+                # a time. What changed meanwhile is seen at the first look after the
+                # dispatcher unparks. (PostgreSQL's listener costs nothing while it
+                # waits; resting it cost start latency.)
+                if watcher.polls and not self._unparked.wait(SHORT_POLL_S):
+                    continue
                 if watcher.wait(SHORT_POLL_S):
                     self.wake.set()
             except Exception as exc:

@@ -292,6 +292,10 @@ class WorkerInfo:
 class Watcher(abc.ABC):
     """Wakes a worker when another connection commits (notification or cheap probe)."""
 
+    # Whether waiting costs CPU (a probe read every few milliseconds), not just a
+    # blocked read of a socket: then the worker waits only while a wake-up can help.
+    polls = False
+
     @abc.abstractmethod
     def wait(self, timeout: float) -> bool:
         """Block up to ``timeout`` s for a change; True if one was (or may have been) seen."""

@@ -563,6 +563,8 @@ def _end(conn: sqlite3.Connection, tx: Tx, commit: bool) -> None:
 class _VersionProbe(Watcher):
     """Polls ``PRAGMA data_version``, which changes when another connection commits."""
 
+    polls = True
+
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
         self.seen = self._version()
