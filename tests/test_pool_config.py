@@ -49,6 +49,18 @@ def test_resume_without_a_pause_uses_the_default_limit(app: Any) -> None:
     assert pool.resume().max_parallelism == 10
 
 
+def retry_thrice_elsewhere(store_url: str, pool: str) -> None:
+    """Another client makes ``pool``'s actions retry (3 attempts), behind our back."""
+    operator = workpool.App(store_url)
+    try:
+        operator.pool(pool).configure(
+            retry_actions_by_default=True,
+            default_retry=workpool.RetryBehavior(max_attempts=3, initial_backoff=0.001, base=1.0),
+        )
+    finally:
+        operator.close()
+
+
 @pytest.mark.parametrize("where", ["alone", "in_the_callers_transaction"])
 def test_an_enqueue_follows_config_changed_by_another_client(
     app: Any, store_url: str, where: str
@@ -75,14 +87,7 @@ def test_an_enqueue_follows_config_changed_by_another_client(
             return str(wid)
 
     before = enqueue()
-    operator = workpool.App(store_url)
-    try:
-        operator.pool("mail").configure(
-            retry_actions_by_default=True,
-            default_retry=workpool.RetryBehavior(max_attempts=3, initial_backoff=0.001, base=1.0),
-        )
-    finally:
-        operator.close()
+    retry_thrice_elsewhere(store_url, "mail")
     after = enqueue()
     store = app.store
     with app.transaction() as tx:
@@ -119,14 +124,7 @@ def test_a_batch_of_several_chunks_is_enqueued_whole_with_the_stored_config(
             return list(pool.enqueue_action_batch(fails, args, tx=tx))
 
     before = enqueue()
-    operator = workpool.App(store_url)
-    try:
-        operator.pool("bulk").configure(
-            retry_actions_by_default=True,
-            default_retry=workpool.RetryBehavior(max_attempts=3, initial_backoff=0.001, base=1.0),
-        )
-    finally:
-        operator.close()
+    retry_thrice_elsewhere(store_url, "bulk")
     after = enqueue()  # the check fails: read the config, then insert
     again = enqueue()  # the check passes
     with pytest.raises(RuntimeError, match="rolled back"), app.transaction() as tx:

@@ -530,15 +530,12 @@ class SqliteStore(SqlStore):
             self.add_counters(tx, pool, worker_id, minute_of(now), Counters.successes(values))
 
     def prune(self, tx: Tx, pool: str, before: float, limit: int) -> int:
-        ids = [
-            r[0]
-            for r in self.q(
-                tx,
-                "SELECT id FROM {s}finished WHERE pool = ? AND finished_at < ?"
-                " ORDER BY finished_at LIMIT ?",
-                (pool, before, limit),
-            ).fetchall()
-        ]
+        ids = self.ids(
+            tx,
+            "SELECT id FROM {s}finished WHERE pool = ? AND finished_at < ?"
+            " ORDER BY finished_at LIMIT ?",
+            (pool, before, limit),
+        )
         for chunk in self.iter_chunks(ids, IN_CHUNK):
             marks = ", ".join("?" * len(chunk))
             self.q(tx, f"DELETE FROM {{s}}finished WHERE id IN ({marks})", chunk)
