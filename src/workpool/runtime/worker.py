@@ -508,12 +508,7 @@ class Worker:
             with self._lock:
                 for key in keys:
                     self._inflight.pop(key, None)
-                self._unrecorded.difference_update(keys)
-                wake = look or self.options.until_idle or self._parked
-                if not look and self._parked:
-                    self._recheck = True
-            if wake:
-                self.wake.set()
+            self._recorded(keys, look)
 
     def _commit_calls(self, items: list[_InTx], keys: list[tuple[str, int]]) -> bool:
         """Run and record ``items``, claiming for the freed slots; whether the
@@ -559,7 +554,7 @@ class Worker:
                 continue  # stale: rescued and re-run elsewhere
             live.append((spec, work, args, current))
         shared = optimistic and self.store.savepoints_cost
-        ran = self._run_queries(live, tx, known) if shared else {}
+        ran = self._run_queries(live, tx) if shared else {}
         for spec, work, args, current in live:
             if work.id in ran:
                 outcome, duration = ran[work.id]
@@ -598,18 +593,14 @@ class Worker:
         self,
         live: list[tuple[FnSpec, ClaimedWork, dict[str, Any], ActiveWork]],
         tx: Tx,
-        known: dict[str, Raised],
     ) -> dict[str, tuple[AttemptOutcome, float]]:
         """The batch's queries, before its mutations, in one read-only block (a
         savepoint costs PostgreSQL two round trips: one each made queries drain at
         1.7k/s); their outcomes and durations. A query that writes, or meets any
         database error, sends the batch to the redo, which gives each call its own
-        savepoint, where a query's writes are rolled back as before."""
-        queries = [
-            (spec, work, args)
-            for spec, work, args, _ in live
-            if spec.kind == "query" and work.id not in known
-        ]
+        savepoint, where a query's writes are rolled back as before. (Only the first,
+        optimistic pass runs this, so no call in it has a known outcome yet.)"""
+        queries = [(spec, work, args) for spec, work, args, _ in live if spec.kind == "query"]
         ran: dict[str, tuple[AttemptOutcome, float]] = {}
         if len(queries) < 2:
             return ran
@@ -723,17 +714,25 @@ class Worker:
                 look = self._record(batch, free)
             finally:
                 self._unreserve(free)
-            # The dispatcher may have waited for this record. When the claim above took
-            # all the pools would give, a claim of its own would find nothing and, on
-            # PostgreSQL, hold the claim lock that other workers' completers wait for:
-            # it only looks (a read) and then sleeps until the next work is due.
-            with self._lock:
-                self._unrecorded.difference_update((w.id, w.attempt) for w, _, _ in batch)
-                wake = look or self.options.until_idle or self._parked
-                if not look and self._parked:
-                    self._recheck = True
-            if wake:
-                self.wake.set()
+            self._recorded([(w.id, w.attempt) for w, _, _ in batch], look)
+
+    def _recorded(self, keys: list[tuple[str, int]], look: bool) -> None:
+        """Attempts whose outcomes a transaction has recorded (completer, mutation
+        batch); ``look``: whether the dispatcher should look for work.
+
+        The dispatcher may have waited for this record: a parked one is woken by it
+        alone (the watcher lets commits pass meanwhile). When the record's claim
+        took all the pools would give, a claim of its own would find nothing and, on
+        PostgreSQL, hold the claim lock that other workers' completers wait for: it
+        only looks (a read) and then sleeps until the next work is due.
+        """
+        with self._lock:
+            self._unrecorded.difference_update(keys)
+            wake = look or self.options.until_idle or self._parked
+            if not look and self._parked:
+                self._recheck = True
+        if wake:
+            self.wake.set()
 
     def _record(
         self, batch: list[tuple[ClaimedWork, AttemptOutcome, float]], free: int = 0
