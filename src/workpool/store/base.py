@@ -358,9 +358,10 @@ class Store(abc.ABC):
         """
 
     def read_only(self, tx: Tx) -> AbstractContextManager[None]:
-        """A savepoint rolled back at its end, in which writes fail where the store
-        can refuse them: one for several queries, where ``savepoints_cost``."""
-        return self.savepoint(tx, keep=False)
+        """A savepoint rolled back at its end, in which writes fail: one for several
+        queries, where ``savepoints_cost``. Refusing writes is what keeps each query
+        from seeing another's, so a store that sets ``savepoints_cost`` provides it."""
+        raise NotImplementedError(f"{type(self).__name__} sets savepoints_cost: it refuses writes")
 
     def send_begin(self, tx: Tx) -> None:
         """Send ``tx``'s pending BEGIN (``Tx.begin``) on its own."""
