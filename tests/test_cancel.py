@@ -318,6 +318,39 @@ def test_cancel_all_includes_running_work(app, rec: Recorder):
     assert rec.count(kind="job") == 1
 
 
+def test_cancel_all_with_a_limit_takes_running_work_then_the_next_to_start(app, rec: Recorder):
+    started = threading.Event()
+    release = threading.Event()
+
+    @app.action(name="held")
+    def held() -> None:
+        started.set()
+        release.wait(20)
+        raise RuntimeError("x")  # retried, unless cancel_all flagged it
+
+    @app.action(name="later")
+    def later(i: int) -> None:
+        rec.add(i=i)
+
+    pool = app.pool("cancel_order", max_parallelism=1)
+    running = pool.enqueue_action(held, retry=RETRYING)
+    # Enqueued out of due order: the ones due first are canceled first.
+    due_in = {0: 300, 1: 100, 2: 200, 3: 400}
+    wids = {i: pool.enqueue_action(later, {"i": i}, run_after=s) for i, s in due_in.items()}
+    try:
+        with background_worker(app):
+            assert started.wait(10)
+            assert pool.cancel_all(limit=3) == 3
+            release.set()
+            wait_for(lambda: pool.status(running).state == "finished")
+    finally:
+        release.set()
+    assert pool.status(running).result == workpool.Canceled()
+    canceled = {i for i, wid in wids.items() if pool.status(wid).state == "finished"}
+    assert canceled == {1, 2}
+    assert all(pool.status(wids[i]).state == "pending" for i in (0, 3))
+
+
 def test_cancel_all_before_accepts_an_aware_datetime(app):
     from datetime import UTC, datetime, timedelta
 
