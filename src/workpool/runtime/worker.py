@@ -105,6 +105,7 @@ class Worker:
         # Set while it is not parked: only then do the watcher's wake-ups matter.
         self._unparked = threading.Event()
         self._recheck = False  # it is woken only to look, not to claim
+        self._watcher: Watcher | None = None  # the watch loop's, for stop() to interrupt
         self._turns = itertools.count()  # which pool a claim's shares start from
         # Actions whose on_complete work met a database error in a pipelined pass
         # (a handler that uses COPY or a named cursor, which a pipeline refuses, or
@@ -133,6 +134,12 @@ class Worker:
             self.force.set()
         self.stopping.set()
         self.wake.set()
+        self._interrupt_watcher()
+
+    def _interrupt_watcher(self) -> None:
+        watcher = self._watcher
+        if watcher is not None:
+            watcher.interrupt()
 
     def run(self) -> None:
         restore = self._install_signals()
@@ -406,7 +413,8 @@ class Worker:
         watcher: Watcher | None = None
         while not self.stopping.is_set():
             try:
-                watcher = watcher or self.store.watcher()
+                if watcher is None:
+                    watcher = self._watcher = self.store.watcher()
                 # A parked dispatcher is woken by whoever records the outcomes it
                 # waits for (completer, mutation batch): a commit seen meanwhile would
                 # only wake it to park again. On SQLite a busy worker's own commits are
@@ -417,7 +425,8 @@ class Worker:
                 # waits; resting it cost start latency.)
                 if watcher.polls and not self._unparked.wait(SHORT_POLL_S):
                     continue
-                if watcher.wait(SHORT_POLL_S):
+                # A watcher that blocks on a socket waits long: stop() interrupts it.
+                if watcher.wait(SHORT_POLL_S if watcher.polls else IDLE_POLL_S):
                     self.wake.set()
             except Exception as exc:
                 events.worker_event("watch_failed", 30, error=describe_error(exc))
@@ -884,6 +893,7 @@ class Worker:
 
     def _shutdown(self, threads: list[threading.Thread]) -> None:
         self.stopping.set()
+        self._interrupt_watcher()
         deadline = time.monotonic() + self.options.shutdown_grace
         while time.monotonic() < deadline and not self.force.is_set():
             with self._lock:

@@ -301,6 +301,11 @@ class Watcher(abc.ABC):
         """Block up to ``timeout`` s for a change; True if one was (or may have been) seen."""
 
     @abc.abstractmethod
+    def interrupt(self) -> None:
+        """The worker stops: a wait in progress (in another thread) returns False soon,
+        and every later one at once."""
+
+    @abc.abstractmethod
     def close(self) -> None: ...
 
 

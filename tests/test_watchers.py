@@ -1,0 +1,87 @@
+"""How an idle worker hears of new work: a commit elsewhere wakes its watcher, waiting
+costs nothing (PostgreSQL's listener blocks on its socket; SQLite's probe, where
+inotify is there, reads ``data_version`` only when the write-ahead log is written),
+and stopping the worker interrupts a wait in progress."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from conftest import store_kind
+from workpool.store.sqlite.wal_bell import WalBell
+
+
+def _settled(store: Any) -> Any:
+    watcher = store.watcher()
+    watcher.wait(0.1)  # connects (PostgreSQL: LISTEN) and forgets what it saw
+    while watcher.wait(0.1):
+        pass
+    return watcher
+
+
+def _enqueue_later(app: Any, delay: float) -> threading.Thread:
+    def enqueue() -> None:
+        time.sleep(delay)
+        app.pool("heard").enqueue_action("f", {})
+
+    thread = threading.Thread(target=enqueue)
+    thread.start()
+    return thread
+
+
+def test_a_long_wait_ends_with_a_commit_elsewhere(app: Any) -> None:
+    app.action(name="f")(lambda: None)
+    watcher = _settled(app.store)
+    try:
+        thread = _enqueue_later(app, 0.2)
+        started = time.monotonic()
+        assert watcher.wait(30.0), "the wait ended without seeing the enqueue"
+        assert time.monotonic() - started < 15.0, "the commit did not end the wait"
+        thread.join()
+    finally:
+        watcher.close()
+
+
+def test_interrupt_ends_a_wait_in_progress_and_every_later_one(app: Any) -> None:
+    watcher = _settled(app.store)
+    try:
+        answers: list[bool] = []
+        waiting = threading.Thread(target=lambda: answers.append(watcher.wait(30.0)))
+        waiting.start()
+        time.sleep(0.2)
+        watcher.interrupt()
+        waiting.join(timeout=15.0)
+        assert not waiting.is_alive(), "interrupt() did not end the wait"
+        assert answers == [False]
+        started = time.monotonic()
+        assert not watcher.wait(30.0)
+        assert time.monotonic() - started < 15.0
+    finally:
+        watcher.close()
+
+
+def test_an_idle_sqlite_probe_reads_only_when_the_log_is_written(app: Any, store_url: str) -> None:
+    """With inotify the probe blocks until the write-ahead log is written; polling
+    read data_version every 2 ms, 250 times in this half second of quiet."""
+    if store_kind(store_url) != "sqlite":
+        pytest.skip("PostgreSQL's listener blocks on its socket; no probe to count")
+    bell = WalBell.open(app.store.path)
+    if bell is None:
+        pytest.skip("no inotify here: the probe polls data_version")
+    bell.close()
+    app.action(name="f")(lambda: None)
+    watcher = _settled(app.store)
+    reads: list[str] = []
+    watcher.conn.set_trace_callback(reads.append)
+    try:
+        assert not watcher.wait(0.5)
+        assert len(reads) <= 3, f"an idle probe read {len(reads)} times in 0.5 s"
+        thread = _enqueue_later(app, 0.2)
+        assert watcher.wait(30.0), "the enqueue's commit did not ring the bell"
+        thread.join()
+    finally:
+        watcher.close()
