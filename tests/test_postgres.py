@@ -79,6 +79,27 @@ def test_cancel_with_the_users_connection(pg_app: Any, pg_url: str) -> None:
     assert pool.status(wid) == workpool.Finished(workpool.Canceled())
 
 
+def test_single_cancels_keep_one_generic_plan(pg_app: Any, pg_url: str) -> None:
+    """Over a one-element array a statement looks cheaper planned for its values, so
+    PostgreSQL planned the read of every single cancel anew. With one parameter for
+    the one id it settles on one generic plan."""
+    pg_app.action(name="f")(lambda: None)
+    pool = pg_app.pool("planned")
+    with psycopg.connect(_conninfo(pg_url)) as conn:
+        if conn.info.server_version < 140000:
+            pytest.skip("pg_prepared_statements counts plans from PostgreSQL 14")
+        ids = pool.enqueue_action_batch("f", [{}] * 20, run_after=60)
+        for wid in ids:
+            assert pool.cancel(wid, tx=conn)
+        plans = conn.execute(
+            "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements"
+        ).fetchall()
+    # psycopg prepares a statement at its 6th run; the server plans it for its
+    # values the next 5 times, then keeps the generic plan if that is no dearer.
+    (generic, custom) = next((g, c) for sql, g, c in plans if "FOR UPDATE" in sql)
+    assert (generic, custom) == (10, 5), f"{generic} generic, {custom} custom plans"
+
+
 def test_idle_worker_is_woken_by_notification_not_the_fallback_poll(pg_app: Any) -> None:
     started: list[float] = []
 

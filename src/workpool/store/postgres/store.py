@@ -581,10 +581,12 @@ class PostgresStore(SqlStore):
         # round trip and one plan. Columns equal in every row (pool, function, times
         # of a batch) go as one value, not as an array of 1,000 copies.
         columns = list(zip(*rows, strict=True))
-        many = len(rows) > 1
         # Per column: None for one value, else the array expression and its parameter.
+        # A single row takes no arrays at all: psycopg dumps eleven values instead of
+        # building eleven arrays, and the server has none to split and unnest (a
+        # single enqueue: 2.56 -> 2.14 ms, medians of 6 interleaved runs).
         shapes = [
-            None if many and column.count(column[0]) == len(rows) else array_param(column, kind)
+            None if column.count(column[0]) == len(rows) else array_param(column, kind)
             for column, (_, kind) in zip(columns, self._INSERTED, strict=True)
         ]
         exprs = tuple(None if shape is None else shape[0] for shape in shapes)
@@ -604,7 +606,7 @@ class PostgresStore(SqlStore):
                 f"INSERT INTO {self.table_prefix}work (id, pool, kind, fn_name, args, on_complete,"
                 " context, retry, timeout, due_at, enqueued_at, state, attempt, cancel_requested,"
                 f" handler_failures, lost_count) SELECT {values}, 'pending', 0, 0, 0, 0"
-                f" FROM unnest({arrays}) AS t({names}){where}{conflict}"
+                f"{f' FROM unnest({arrays}) AS t({names})' if arrays else ''}{where}{conflict}"
             )
         # The SELECT list's single values come first in the statement, then the arrays.
         pairs = list(zip(columns, shapes, strict=True))
@@ -637,18 +639,19 @@ class PostgresStore(SqlStore):
         return f"{column} = ANY({expr})", [param]
 
     def load_many_for_update(self, tx: Tx, ids: Sequence[str]) -> dict[str, ActiveWork]:
-        # One statement text for every batch size: with a mark per id (IN (...)) each
-        # size was a new statement for psycopg to parse and the server to plan, and
-        # none was ever prepared. Sorted ids lock rows in one global order.
+        # Two statement texts, for one id and for any more (_id_in): with a mark per
+        # id (IN (...)) each size was a new statement for psycopg to parse and the
+        # server to plan, and none was ever prepared; with an array for one id the
+        # server planned every single cancel anew. Sorted ids lock rows in one
+        # global order.
         ordered = sorted(set(storable(ids)))
         if not ordered:
             return {}
-        expr, param = array_param(ordered, "text")
+        match, params = self._id_in("w.id", ordered)
         rows = self.q(
             tx,
-            f"SELECT {ACTIVE_COLUMNS} FROM {{s}}work w WHERE w.id = ANY({expr})"
-            " ORDER BY w.id FOR UPDATE",
-            [param],
+            f"SELECT {ACTIVE_COLUMNS} FROM {{s}}work w WHERE {match} ORDER BY w.id FOR UPDATE",
+            params,
         ).fetchall()
         return {row[0]: active_row(row) for row in rows}
 
