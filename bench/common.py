@@ -102,6 +102,49 @@ def cpu_busy(seconds: float) -> float | None:
     return (busy1 - busy0) / max(all1 - all0, 1)
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process, all its threads (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _processes() -> list[tuple[int, int, str]]:
+    """(pid, parent pid, command name) of every process (empty without /proc)."""
+    out = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    head, rest = f.read().rsplit(")", 1)
+                out.append((int(entry), int(rest.split()[1]), head.split("(", 1)[1]))
+            except (OSError, IndexError, ValueError):
+                continue
+    return out
+
+
+def tree_cpu_seconds(pids: list[int]) -> float:
+    """CPU seconds of these processes and all their descendants (Linux /proc)."""
+    procs = _processes()
+    wanted, frontier = set(pids), list(pids)
+    while frontier:
+        parent = frontier.pop()
+        for pid, ppid, _ in procs:
+            if ppid == parent and pid not in wanted:
+                wanted.add(pid)
+                frontier.append(pid)
+    return sum(_cpu_seconds(pid) for pid in wanted)
+
+
+def pg_server_cpu_seconds() -> float | None:
+    """CPU seconds of every local ``postgres`` process (None: no local server seen)."""
+    pids = [pid for pid, _, name in _processes() if name == "postgres"]
+    return sum(_cpu_seconds(pid) for pid in pids) if pids else None
+
+
 def pg_available() -> bool:
     try:
         with pg_admin() as conn:

@@ -9,7 +9,7 @@ from typing import Any
 from common import median
 from systems import system_class
 
-# (workload, metric key, label, kind) — kind: rate | ms | share | count | bool | x
+# (workload, metric key, label, kind) — kind: rate | ms | pct | share | count | bool | x
 ROWS: list[tuple[str, str, str, str]] = [
     ("drain", "enqueue_rate", "batch enqueue jobs/s", "rate"),
     ("drain", "drain_rate", "drain jobs/s", "rate"),
@@ -36,6 +36,8 @@ ROWS: list[tuple[str, str, str, str]] = [
     ("big", "enqueue_mb_s", "enqueue MB/s (800KB+800KB)", "rate"),
     ("big", "drain_rate", "drain jobs/s", "rate"),
     ("big", "exactly_once", "every job exactly once", "bool"),
+    ("idle", "worker_cpu_pct", "idle worker CPU % of a core", "pct"),
+    ("idle", "server_cpu_pct", "PostgreSQL server CPU %", "pct"),
 ]
 WORKPOOL = {"sqlite": "workpool-sqlite", "postgresql": "workpool-pg"}
 
@@ -131,13 +133,15 @@ def fmt(v: Any, kind: str) -> str:
         return f"{v:.0f}" if v >= 100 else f"{v:.1f}" if v >= 10 else f"{v:.2f}"
     if kind == "share":
         return f"{v * 100:.0f}%"
+    if kind == "pct":
+        return f"{v:.2f}%"
     if kind == "count":
         return f"{v:.0f}"
     return f"{v:.2f}"
 
 
 def _ratio_text(v: Any, wp: Any, kind: str) -> str:
-    if kind not in ("rate", "ms") or not v or not wp:
+    if kind not in ("rate", "ms", "pct") or not v or not wp:
         return ""
     r = wp / v
     return f" wp{r:.2f}x" if r < 10 else f" wp{r:.0f}x"
@@ -272,7 +276,7 @@ def print_report(
     lines.append("")
     lines.append(
         f"== workpool benchmark ({meta['mode']}, medians of {meta['repeat']} run(s); "
-        f"scale: {meta['repeat_scale']} run(s); {meta['cpus']} CPUs) =="
+        f"scale and idle: {meta['repeat_scale']} run(s); {meta['cpus']} CPUs) =="
     )
     lines.append("parameters: " + "; ".join(f"{w} {v}" for w, v in p.items()))
     lines.append(
@@ -301,7 +305,8 @@ def print_report(
         )
     lines.append(
         "cells: value, then wpN.NNx = workpool's value / this system's value on the same"
-        " store (rates: >1 = workpool faster; ms: <1 = workpool faster)"
+        " store (rates: >1 = workpool faster; ms: <1 = workpool faster; CPU %: <1 ="
+        " workpool cheaper)"
     )
     lines.append("")
     w0 = 34

@@ -33,6 +33,7 @@ FULL: dict[str, dict[str, Any]] = {
     "scale_small": {"pending": 10_000, "k": 2_000, "batch": 5_000},
     "scale_large": {"pending": 1_000_000, "k": 2_000, "batch": 5_000},
     "big": {"n": 50, "size": 800_000},
+    "idle": {"seconds": 10, "settle": 3},
 }
 QUICK: dict[str, dict[str, Any]] = {
     "drain": {"n": 2_000, "batch": 1_000},
@@ -43,6 +44,7 @@ QUICK: dict[str, dict[str, Any]] = {
     "scale_small": {"pending": 10_000, "k": 1_000, "batch": 5_000},
     "scale_large": {"pending": 100_000, "k": 1_000, "batch": 5_000},
     "big": {"n": 10, "size": 800_000},
+    "idle": {"seconds": 3, "settle": 1},
 }
 # user-facing workload names -> trial workloads
 GROUPS = {
@@ -53,10 +55,13 @@ GROUPS = {
     "on_complete": ["on_complete"],
     "scale": ["scale_small", "scale_large"],
     "big": ["big"],
+    "idle": ["idle"],
 }
-BASE = {"scale_small": "scale", "scale_large": "scale"}
-# heavy workloads run once per run unless --repeat-scale says otherwise
-SINGLE = {"scale_small", "scale_large"}
+# The idle worker runs in its latency configuration: what that latency costs at rest.
+BASE = {"scale_small": "scale", "scale_large": "scale", "idle": "latency"}
+# Slow workloads run once per run unless --repeat-scale says otherwise: scale fills
+# a million rows, idle waits 13 s per system.
+SINGLE = {"scale_small", "scale_large", "idle"}
 
 
 def system_spec(system: str, workload: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -182,7 +187,10 @@ def main() -> None:
     ap.add_argument("--workloads", default=",".join(GROUPS), help="comma-separated")
     ap.add_argument("--repeat", type=int, default=None, help="repetitions (default 3, quick 1)")
     ap.add_argument(
-        "--repeat-scale", type=int, default=1, help="repetitions of the (slow) scale workload"
+        "--repeat-scale",
+        type=int,
+        default=1,
+        help="repetitions of the slow workloads (scale, idle)",
     )
     ap.add_argument("--out", default=str(BENCH_DIR / "results"), help="results directory")
     ap.add_argument("-v", "--verbose", action="store_true")

@@ -23,7 +23,9 @@ from common import (
     WorkerProcs,
     max_overlap,
     percentile,
+    pg_server_cpu_seconds,
     start_workers,
+    tree_cpu_seconds,
     verify_once,
 )
 from systems import system_class
@@ -165,6 +167,24 @@ def w_latency(system: System, ctx: Ctx) -> dict[str, Any]:
     return out
 
 
+def w_idle(system: System, ctx: Ctx) -> dict[str, Any]:
+    """One worker in its latency configuration with nothing to do: what it costs at
+    rest, in CPU of its own processes and (PostgreSQL, local server) of the server's."""
+    seconds, settle = float(ctx.params["seconds"]), float(ctx.params["settle"])
+    workers = ctx.start(system, 1)
+    workers.go()
+    time.sleep(settle)  # past start-up: connecting, migrating, first reads
+    server = system.store == "postgresql"
+    w0, s0, t0 = tree_cpu_seconds(workers.pids()), pg_server_cpu_seconds(), time.perf_counter()
+    time.sleep(seconds)
+    w1, s1, t1 = tree_cpu_seconds(workers.pids()), pg_server_cpu_seconds(), time.perf_counter()
+    workers.check()
+    out: dict[str, Any] = {"worker_cpu_pct": 100.0 * (w1 - w0) / (t1 - t0)}
+    if server and s0 is not None and s1 is not None:
+        out["server_cpu_pct"] = 100.0 * (s1 - s0) / (t1 - t0)
+    return out
+
+
 def w_limit(system: System, ctx: Ctx) -> dict[str, Any]:
     n, limit, ms = int(ctx.params["n"]), int(ctx.params["limit"]), float(ctx.params["ms"])
     enqueue_all(system, "sleep", [{"i": i, "ms": ms} for i in range(n)], 400)
@@ -275,6 +295,7 @@ WORKLOADS: dict[str, Callable[[System, Ctx], dict[str, Any]]] = {
     "drain": w_drain,
     "latency": w_latency,
     "limit": w_limit,
+    "idle": w_idle,
     "retries": w_retries,
     "on_complete": w_drain,
     "scale_small": w_scale,
