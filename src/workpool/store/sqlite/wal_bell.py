@@ -11,11 +11,11 @@ reached), ``WalBell.open`` returns None and the caller keeps polling.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import select
 import socket
 import struct
+import sys
 from contextlib import suppress
 
 # From <sys/inotify.h>; the same on every Linux architecture.
@@ -40,8 +40,12 @@ class WalBell:
         It watches the directory, not the file: SQLite deletes the ``-wal`` file when
         its last connection closes and creates it anew with the next one.
         """
+        if not sys.platform.startswith("linux"):
+            return None
         try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+            # The interpreter's own symbols include the C library's (and finding
+            # libc by name runs ldconfig: 5 ms a watcher).
+            libc = ctypes.CDLL(None, use_errno=True)
             init, add = libc.inotify_init1, libc.inotify_add_watch
         except (OSError, AttributeError):
             return None
