@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from conftest import store_kind
 from workpool.store.sqlite.wal_bell import WalBell
 
 
@@ -64,11 +63,10 @@ def test_interrupt_ends_a_wait_in_progress_and_every_later_one(app: Any) -> None
         watcher.close()
 
 
-def test_an_idle_sqlite_probe_reads_only_when_the_log_is_written(app: Any, store_url: str) -> None:
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+def test_an_idle_sqlite_probe_reads_only_when_the_log_is_written(app: Any) -> None:
     """With inotify the probe blocks until the write-ahead log is written; polling
     read data_version every 2 ms, 250 times in this half second of quiet."""
-    if store_kind(store_url) != "sqlite":
-        pytest.skip("PostgreSQL's listener blocks on its socket; no probe to count")
     bell = WalBell.open(app.store.path)
     if bell is None:
         pytest.skip("no inotify here: the probe polls data_version")
