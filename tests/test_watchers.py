@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+import workpool
 from workpool.store.sqlite.wal_bell import WalBell
 
 
@@ -83,3 +84,26 @@ def test_an_idle_sqlite_probe_reads_only_when_the_log_is_written(app: Any) -> No
         thread.join()
     finally:
         watcher.close()
+
+
+def test_a_database_reached_through_a_symbolic_link_is_heard(tmp_path: Any) -> None:
+    """SQLite writes the log beside the file the link points to: a bell on the
+    link's directory never rang, and commits were seen only at the next poll."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "links").mkdir()
+    (tmp_path / "links" / "work.db").symlink_to(tmp_path / "real" / "work.db")
+    app = workpool.App(f"sqlite:///{tmp_path / 'links' / 'work.db'}")
+    try:
+        app.action(name="f")(lambda: None)
+        app.pool("heard").stats()  # creates the database, in real/
+        watcher = _settled(app.store)
+        try:
+            thread = _enqueue_later(app, 0.2)
+            started = time.monotonic()
+            assert watcher.wait(30.0)
+            assert time.monotonic() - started < 15.0, "the commit did not end the wait"
+            thread.join()
+        finally:
+            watcher.close()
+    finally:
+        app.close()

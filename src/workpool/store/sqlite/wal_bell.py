@@ -52,7 +52,8 @@ class WalBell:
         fd = init(os.O_NONBLOCK | os.O_CLOEXEC)
         if fd < 0:
             return None
-        path = os.path.abspath(db_path)
+        # SQLite puts the log beside the file a symbolic link points to.
+        path = os.path.realpath(db_path)
         mask = IN_MODIFY | IN_CREATE | IN_MOVED_TO
         if add(fd, os.fsencode(os.path.dirname(path)), mask) < 0:
             os.close(fd)
