@@ -5,8 +5,11 @@ and stopping the worker interrupts a wait in progress."""
 
 from __future__ import annotations
 
+import os
+import resource
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -103,6 +106,44 @@ def test_a_database_reached_through_a_symbolic_link_is_heard(tmp_path: Any) -> N
             assert watcher.wait(30.0)
             assert time.monotonic() - started < 15.0, "the commit did not end the wait"
             thread.join()
+        finally:
+            watcher.close()
+    finally:
+        app.close()
+
+
+@pytest.fixture
+def high_fds() -> Iterator[None]:
+    """Descriptors 0-1100 taken, so every socket opened next is numbered past 1023,
+    where select() refuses to wait: as in an application with many files open."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 2048
+    if hard != resource.RLIM_INFINITY and hard < wanted:
+        pytest.skip(f"the open-file limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, wanted), hard))
+    taken = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        yield
+    finally:
+        for fd in taken:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_connections_and_watchers_past_descriptor_1023_work(store_url: str, high_fds: None) -> None:
+    app = workpool.App(store_url)
+    try:
+        app.action(name="f")(lambda: None)
+        pool = app.pool("heard")
+        wid = pool.enqueue_action("f", {})  # PostgreSQL: a pooled connection checked
+        assert pool.status(wid).state == "pending"
+        watcher = _settled(app.store)
+        try:
+            thread = _enqueue_later(app, 0.2)
+            assert watcher.wait(30.0)
+            thread.join()
+            watcher.interrupt()
+            assert not watcher.wait(30.0)
         finally:
             watcher.close()
     finally:

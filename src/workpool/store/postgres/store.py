@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 import re
-import select
 import socket
 import threading
 import time
@@ -31,6 +30,7 @@ from workpool.store.base import (
     Watcher,
     minute_of,
 )
+from workpool.store.fds import readable
 from workpool.store.postgres.migrations import MIGRATIONS
 from workpool.store.sql import SqlStore, check_schema
 from workpool.store.sql_reads import ACTIVE_COLUMNS, active_row, storable
@@ -822,14 +822,13 @@ def _alive(conn: psycopg.Connection[Any]) -> bool:
     """
     if conn.closed or conn.broken:
         return False
-    readable, _, _ = select.select([conn.fileno()], [], [], 0)
-    return not readable
+    return not readable([conn.fileno()], 0)
 
 
 class _Listener(Watcher):
     """``LISTEN`` on the schema's channel, on a connection of its own (not pooled).
 
-    It waits in ``select`` on the connection's socket and on a socket of its own
+    It waits in ``poll`` on the connection's socket and on a socket of its own
     that ``interrupt`` writes to. psycopg's ``notifies(timeout=...)`` cost about a
     millisecond of CPU each time it timed out: 2 % of a core for an idle worker
     that woke every 50 ms to see whether it was stopping.
@@ -850,12 +849,12 @@ class _Listener(Watcher):
             self.conn.execute(f'LISTEN "{self.channel}"')
             return True  # (re)connected: anything may have happened meanwhile
         bell = self._bell.fileno()
-        readable, _, _ = select.select([self.conn.fileno(), bell], [], [], timeout)
-        if bell in readable or not readable:
+        ready = readable([self.conn.fileno(), bell], timeout)
+        if bell in ready or not ready:
             return False
         try:
             # Takes every notification that has arrived, so that none waits in
-            # libpq's buffer while the next select() waits on the socket.
+            # libpq's buffer while the next poll() waits on the socket.
             return any(True for _ in self.conn.notifies(timeout=0))
         except psycopg.Error:
             self.conn.close()

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import ctypes
 import os
-import select
 import socket
 import struct
 import sys
 from contextlib import suppress
+
+from workpool.store.fds import readable
 
 # From <sys/inotify.h>; the same on every Linux architecture.
 IN_MODIFY = 0x00000002
@@ -30,7 +31,7 @@ class WalBell:
     def __init__(self, fd: int, wal_name: bytes) -> None:
         self.fd = fd
         self.wal_name = wal_name
-        # interrupt() writes to this pair: a wait in select() returns at once.
+        # interrupt() writes to this pair: a wait in poll() returns at once.
         self._bell, self._ring = socket.socketpair()
 
     @classmethod
@@ -65,8 +66,8 @@ class WalBell:
         since the last call. Events that arrived meanwhile ring at once; after
         ``interrupt`` every wait returns False at once."""
         bell = self._bell.fileno()
-        readable, _, _ = select.select([self.fd, bell], [], [], timeout)
-        if bell in readable or not readable:
+        ready = readable([self.fd, bell], timeout)
+        if bell in ready or not ready:
             return False
         rang = False
         while True:
