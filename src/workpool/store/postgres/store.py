@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 import re
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -30,7 +29,7 @@ from workpool.store.base import (
     Watcher,
     minute_of,
 )
-from workpool.store.fds import readable
+from workpool.store.fds import InputWait, readable
 from workpool.store.postgres.migrations import MIGRATIONS
 from workpool.store.sql import SqlStore, check_schema
 from workpool.store.sql_reads import ACTIVE_COLUMNS, active_row, storable
@@ -828,8 +827,8 @@ def _alive(conn: psycopg.Connection[Any]) -> bool:
 class _Listener(Watcher):
     """``LISTEN`` on the schema's channel, on a connection of its own (not pooled).
 
-    It waits in ``poll`` on the connection's socket and on a socket of its own
-    that ``interrupt`` writes to. psycopg's ``notifies(timeout=...)`` cost about a
+    It waits in ``poll`` on the connection's socket (``InputWait``), which
+    ``interrupt`` ends. psycopg's ``notifies(timeout=...)`` cost about a
     millisecond of CPU each time it timed out: 2 % of a core for an idle worker
     that woke every 50 ms to see whether it was stopping.
     """
@@ -838,19 +837,16 @@ class _Listener(Watcher):
         self.conninfo = conninfo
         self.channel = channel
         self.conn: psycopg.Connection[Any] | None = None
-        self._bell, self._ring = socket.socketpair()
-        self._interrupted = False
+        self._input = InputWait()
 
     def wait(self, timeout: float) -> bool:
-        if self._interrupted:
+        if self._input.interrupted:
             return False
         if self.conn is None or self.conn.closed:
             self.conn = psycopg.connect(self.conninfo, autocommit=True)
             self.conn.execute(f'LISTEN "{self.channel}"')
             return True  # (re)connected: anything may have happened meanwhile
-        bell = self._bell.fileno()
-        ready = readable([self.conn.fileno(), bell], timeout)
-        if bell in ready or not ready:
+        if not self._input.wait(self.conn.fileno(), timeout):
             return False
         try:
             # Takes every notification that has arrived, so that none waits in
@@ -861,12 +857,9 @@ class _Listener(Watcher):
             raise
 
     def interrupt(self) -> None:
-        self._interrupted = True
-        with suppress(OSError):
-            self._ring.send(b"x")
+        self._input.interrupt()
 
     def close(self) -> None:
         if self.conn is not None:
             self.conn.close()
-        self._bell.close()
-        self._ring.close()
+        self._input.close()

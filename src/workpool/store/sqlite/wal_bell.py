@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import ctypes
 import os
-import socket
 import struct
 import sys
 from contextlib import suppress
 
-from workpool.store.fds import readable
+from workpool.store.fds import InputWait
 
 # From <sys/inotify.h>; the same on every Linux architecture.
 IN_MODIFY = 0x00000002
@@ -31,8 +30,7 @@ class WalBell:
     def __init__(self, fd: int, wal_name: bytes) -> None:
         self.fd = fd
         self.wal_name = wal_name
-        # interrupt() writes to this pair: a wait in poll() returns at once.
-        self._bell, self._ring = socket.socketpair()
+        self._input = InputWait()
 
     @classmethod
     def open(cls, db_path: str) -> WalBell | None:
@@ -65,9 +63,7 @@ class WalBell:
         """Block up to ``timeout`` s; True if the log was written (or events were lost)
         since the last call. Events that arrived meanwhile ring at once; after
         ``interrupt`` every wait returns False at once."""
-        bell = self._bell.fileno()
-        ready = readable([self.fd, bell], timeout)
-        if bell in ready or not ready:
+        if not self._input.wait(self.fd, timeout):
             return False
         rang = False
         while True:
@@ -84,13 +80,11 @@ class WalBell:
                 offset = start + size
 
     def interrupt(self) -> None:
-        with suppress(OSError):
-            self._ring.send(b"x")
+        self._input.interrupt()
 
     def close(self) -> None:
         fd, self.fd = self.fd, -1
         if fd >= 0:
             with suppress(OSError):
                 os.close(fd)
-        self._bell.close()
-        self._ring.close()
+        self._input.close()
