@@ -43,11 +43,13 @@ PRUNE_AGAIN_S = 1.0
 COUNTER_RETENTION_S = 86_400.0
 # Claims and the running count walk index entries of rows that have since moved
 # on; until vacuum removes them each scan gets slower. Autovacuum wakes once a
-# minute at best, so under heavy churn a worker tidies the hot table itself.
+# minute at best, so a worker tidies the hot table itself: every so often, and
+# sooner under heavy churn, when the store says it holds many dead rows.
 TIDY_EVERY_S = 15.0
-# How often the hot table's statistics are checked (one catalog read) and, when
-# they no longer describe it, refreshed (one worker at a time).
-STATS_EVERY_S = 0.25
+TIDY_CHURN_EVERY_S = 1.0
+# How often the hot table's needs are read (one catalog read) and, when its
+# statistics no longer describe it, refreshed (one worker at a time).
+UPKEEP_EVERY_S = 0.25
 ANALYZE_EVERY_S = 5.0
 # How often a worker copies the write-ahead log into the database (SQLite), so
 # that no claim's commit has to: see WAL_BACKSTOP_PAGES.
@@ -71,7 +73,7 @@ class Maintenance:
             # Not at start: a worker starting on a big backlog would otherwise begin
             # by vacuuming or analysing it while it should be claiming.
             "tidy": worker.clock() + TIDY_EVERY_S,
-            "stats": 0.0,
+            "upkeep": 0.0,
             "checkpoint": 0.0,
         }
         self._report_from = worker.clock() + REPORT_FIRST_S
@@ -143,12 +145,17 @@ class Maintenance:
                 lambda tx: store.take_turn(tx, "", "tidy", now, TIDY_EVERY_S)
             ):
                 store.tidy()
-        if (
-            self._due("stats", now, STATS_EVERY_S)
-            and store.stats_stale()
-            and store.run(lambda tx: store.take_turn(tx, "", "analyze", now, ANALYZE_EVERY_S))
-        ):
-            store.analyze()
+        if self._due("upkeep", now, UPKEEP_EVERY_S):
+            need = store.upkeep()
+            if need.vacuum and store.run(
+                lambda tx: store.take_turn(tx, "", "tidy", now, TIDY_CHURN_EVERY_S)
+            ):
+                self._next["tidy"] = now + TIDY_EVERY_S
+                store.tidy(quick=True)
+            elif need.analyze and store.run(
+                lambda tx: store.take_turn(tx, "", "analyze", now, ANALYZE_EVERY_S)
+            ):
+                store.analyze()
 
     def heartbeat(self, now: float) -> None:
         worker = self.worker

@@ -231,6 +231,14 @@ class StatusRow:
 
 
 @dataclass(frozen=True, slots=True)
+class Upkeep:
+    """What the hot table needs now (``Store.upkeep``, one cheap read)."""
+
+    analyze: bool = False  # the planner's statistics no longer describe it
+    vacuum: bool = False  # scans walk past many dead index entries of moved-on rows
+
+
+@dataclass(frozen=True, slots=True)
 class PoolCounts:
     running: int = 0
     due: int = 0  # backlog: due now, not started
@@ -593,13 +601,14 @@ class Store(abc.ABC):
 
     # --- workers, counters, introspection ---------------------------------------------
     @abc.abstractmethod
-    def tidy(self) -> None:
-        """Housekeeping of the hot table between transactions (PostgreSQL: VACUUM)."""
+    def tidy(self, *, quick: bool = False) -> None:
+        """Housekeeping of the hot table between transactions (PostgreSQL: VACUUM;
+        ``quick``: only what ``Upkeep.vacuum`` asks for, between the full ones)."""
 
     @abc.abstractmethod
-    def stats_stale(self) -> bool:
-        """Whether the planner's statistics of the hot table no longer describe it
-        (PostgreSQL: see ``PostgresStore.stats_stale``); then ``analyze`` refreshes them."""
+    def upkeep(self) -> Upkeep:
+        """What the hot table needs (PostgreSQL: see ``PostgresStore.upkeep``):
+        ``analyze`` refreshes its statistics, ``tidy`` clears its dead entries."""
 
     @abc.abstractmethod
     def analyze(self) -> None:

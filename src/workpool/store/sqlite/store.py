@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from workpool.core.errors import InvalidArgumentError, StoreUnavailableError
-from workpool.store.base import Counters, Finishing, Tx, Watcher, minute_of
+from workpool.store.base import Counters, Finishing, Tx, Upkeep, Watcher, minute_of
 from workpool.store.sql import SqlStore, check_schema
 from workpool.store.sql_reads import IN_CHUNK, storable
 from workpool.store.sqlite.migrations import MIGRATIONS
@@ -234,7 +234,7 @@ class SqliteStore(SqlStore):
         if frames == copied:  # else a reader held some back: try again next time
             self._local.checkpointed = version
 
-    def tidy(self) -> None:
+    def tidy(self, *, quick: bool = False) -> None:
         # Deleted rows leave no dead index entries in SQLite; keep the planner's
         # statistics fresh instead (cheap: it analyses only what changed a lot, and
         # analysis_limit makes that a sample, so a million-row backlog is not read
@@ -250,8 +250,8 @@ class SqliteStore(SqlStore):
     # SQLite plans each statement when it is prepared, from sqlite_stat1, which only
     # the tidy's PRAGMA optimize writes; without it the planner assumes selective
     # indexes, which is what every statement here wants.
-    def stats_stale(self) -> bool:
-        return False
+    def upkeep(self) -> Upkeep:
+        return Upkeep()
 
     def analyze(self) -> None:
         self.tidy()
