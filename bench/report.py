@@ -9,11 +9,13 @@ from typing import Any
 from common import median
 from systems import system_class
 
-# (workload, metric key, label, kind) — kind: rate | ms | pct | share | count | bool | x
+# (workload, metric key, label, kind) — kind: rate | ms | us | pct | share | count | bool | x
 ROWS: list[tuple[str, str, str, str]] = [
     ("drain", "enqueue_rate", "batch enqueue jobs/s", "rate"),
     ("drain", "drain_rate", "drain jobs/s", "rate"),
     ("drain", "exactly_once", "every job exactly once", "bool"),
+    ("drain", "worker_us_per_job", "drain: worker CPU us/job", "us"),
+    ("drain", "server_us_per_job", "drain: PostgreSQL CPU us/job", "us"),
     ("latency", "p50_ms", "enqueue->start p50 ms", "ms"),
     ("latency", "p95_ms", "p95 ms", "ms"),
     ("latency", "p99_ms", "p99 ms", "ms"),
@@ -135,13 +137,15 @@ def fmt(v: Any, kind: str) -> str:
         return f"{v * 100:.0f}%"
     if kind == "pct":
         return f"{v:.2f}%"
+    if kind == "us":
+        return f"{v:.0f}" if v >= 10 else f"{v:.1f}"
     if kind == "count":
         return f"{v:.0f}"
     return f"{v:.2f}"
 
 
 def _ratio_text(v: Any, wp: Any, kind: str) -> str:
-    if kind not in ("rate", "ms", "pct") or not v or not wp:
+    if kind not in ("rate", "ms", "us", "pct") or not v or not wp:
         return ""
     r = wp / v
     return f" wp{r:.2f}x" if r < 10 else f" wp{r:.0f}x"
