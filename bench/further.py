@@ -1,7 +1,7 @@
 """workpool alone on workloads beyond the issue's: the paths a user meets that
 the side-by-side benchmark does not time (queries, mutations, async actions,
-failures, many pools, a 200k batch, status and cancel of it, scheduled work,
-producers on threads and in asyncio).
+failures, many pools, a 200k batch, status and cancel of it, a drain of 500k,
+scheduled work, producers on threads and in asyncio).
 
     bench/.venv/bin/python bench/further.py [--store sqlite|postgresql] [--only a,b]
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import logging
 import os
 import tempfile
@@ -122,6 +123,34 @@ def big_batch(store: str) -> None:
     app.close()
 
 
+def long_drain(store: str) -> None:
+    """Half a million jobs: whether the rate holds up as the backlog is worked off
+    (on PostgreSQL every job leaves dead rows that claims walk until a VACUUM)."""
+    app = build(store)
+    n, part = 500_000, 100_000
+    done = itertools.count(1)
+    marks: list[float] = []
+
+    @app.action(name="counted")
+    def counted(i: int) -> None:
+        if next(done) % part == 0:
+            marks.append(time.perf_counter())
+
+    pool = app.pool("p", max_parallelism=100_000)
+    for start in range(0, n, 10_000):
+        pool.enqueue_action_batch(counted, [{"i": i} for i in range(start, start + 10_000)])
+    started = time.perf_counter()
+    seconds = drain(app)
+    rates = [part / (b - a) for a, b in zip([started, *marks], marks, strict=False)]
+    report(store, f"drain {n:,} no-op actions: jobs/s", f"{n / seconds:,.0f}")
+    report(
+        store,
+        f"  each {part:,} of them, first to last: jobs/s",
+        ", ".join(f"{r:,.0f}" for r in rates),
+    )
+    app.close()
+
+
 def scheduled(store: str) -> None:
     app = build(store)
     pool = app.pool("p", max_parallelism=100_000)
@@ -199,6 +228,7 @@ WORKLOADS: dict[str, Callable[[str], None]] = {
     ),
     "pools": many_pools,
     "big-batch": big_batch,
+    "long-drain": long_drain,
     "scheduled": scheduled,
     "threads": threads,
     "async-producers": async_producers,
