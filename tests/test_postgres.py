@@ -372,10 +372,7 @@ def test_a_worker_vacuums_the_queue_once_many_rows_have_moved_on(
     table = f"{store.table_prefix}work"
 
     def vacuums_and_dead() -> tuple[int, int]:
-        sql = (
-            "SELECT pg_stat_get_vacuum_count(%s::regclass),"
-            " pg_stat_get_dead_tuples(%s::regclass)"
-        )
+        sql = "SELECT pg_stat_get_vacuum_count(%s::regclass), pg_stat_get_dead_tuples(%s::regclass)"
         row = store.run(lambda tx: tx.execute(sql, (table, table)).fetchone())
         return int(row[0]), int(row[1])
 
