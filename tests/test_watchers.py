@@ -5,6 +5,7 @@ and stopping the worker interrupts a wait in progress."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import threading
@@ -148,3 +149,51 @@ def test_connections_and_watchers_past_descriptor_1023_work(store_url: str, high
             watcher.close()
     finally:
         app.close()
+
+
+@pytest.mark.parametrize("holder_commits", [True, False], ids=["commit", "rollback"])
+def test_a_worker_waiting_for_the_sqlite_write_lock_takes_it_when_the_holder_ends(
+    tmp_path: Any, holder_commits: bool
+) -> None:
+    """A worker's claims and records (``batch_writes``) wait for another process's
+    write lock by watching the log, which the holder writes as it commits; a holder
+    that rolls back writes nothing there, and the waiter must take the lock anyway."""
+    from workpool.store.sqlite.store import SqliteStore
+
+    path = str(tmp_path / "lock.db")
+    holder, waiter = SqliteStore(path), SqliteStore(path)  # as two processes would
+    with holder.transaction() as tx:
+        tx.execute("CREATE TABLE t (who TEXT)")
+    holding, ended = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with contextlib.suppress(RuntimeError), holder.transaction() as tx:
+            tx.execute("INSERT INTO t VALUES ('holder')")
+            holding.set()
+            time.sleep(0.3)
+            ended.set()
+            if not holder_commits:
+                raise RuntimeError("roll back")
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    assert holding.wait(5)
+    took: list[bool] = []
+
+    def wait_for_lock() -> None:
+        with waiter.batch_writes(), waiter.transaction() as tx:
+            took.append(ended.is_set())
+            tx.execute("INSERT INTO t VALUES ('waiter')")
+
+    second = threading.Thread(target=wait_for_lock)
+    second.start()
+    second.join(15)
+    thread.join(15)
+    assert took == [True], "the waiter took the lock only once the holder was done"
+    with waiter.transaction(readonly=True) as tx:
+        rows = sorted(r[0] for r in tx.execute("SELECT who FROM t").fetchall())
+    assert rows == (["holder", "waiter"] if holder_commits else ["waiter"])
+    if WalBell.open(path) is not None:
+        assert waiter._lock_bell is not None, "on Linux the waiter watched the log"
+    holder.close()
+    waiter.close()

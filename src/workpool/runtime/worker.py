@@ -163,7 +163,8 @@ class Worker:
             concurrency=self.options.concurrency,
         )
         try:
-            self._dispatch_loop()
+            with self.store.batch_writes():
+                self._dispatch_loop()
         finally:
             self._shutdown(threads)
             restore()
@@ -701,6 +702,10 @@ class Worker:
 
     # --- completer --------------------------------------------------------------------------
     def _complete_loop(self) -> None:
+        with self.store.batch_writes():
+            self._complete_outcomes()
+
+    def _complete_outcomes(self) -> None:
         while True:
             first = self._outcomes.get()
             if first is None:

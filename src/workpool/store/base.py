@@ -614,6 +614,13 @@ class Store(abc.ABC):
     def analyze(self) -> None:
         """Refresh the planner's statistics of the hot table."""
 
+    def batch_writes(self) -> AbstractContextManager[None]:
+        """Within it, the calling thread's write transactions are a worker's claims
+        and records: few, each long enough that waiting for a write lock by watching
+        for its holder's commit pays (SQLite: see ``SqliteStore._begin_immediate``).
+        Writers of one short transaction each would all wake at every commit."""
+        return nullcontext()
+
     def checkpoint(self) -> None:  # noqa: B027 - a duty only some stores have
         """Copy what other connections committed to the store's write-ahead log into
         the database file (SQLite), off the threads that claim and complete; a
