@@ -30,8 +30,8 @@ FULL: dict[str, dict[str, Any]] = {
     "limit": {"n": 400, "limit": 5, "ms": 20},
     "retries": {"n": 1_000, "batch": 1_000, **RETRY},
     "on_complete": {"n": 20_000, "batch": 1_000},
-    "scale_small": {"pending": 10_000, "k": 2_000, "batch": 5_000},
-    "scale_large": {"pending": 1_000_000, "k": 2_000, "batch": 5_000},
+    "scale_small": {"pending": 10_000, "warm": 1_000, "k": 9_000, "batch": 5_000},
+    "scale_large": {"pending": 1_000_000, "warm": 1_000, "k": 9_000, "batch": 5_000},
     "big": {"n": 50, "size": 800_000},
     "idle": {"seconds": 10, "settle": 3},
 }
@@ -41,8 +41,8 @@ QUICK: dict[str, dict[str, Any]] = {
     "limit": {"n": 100, "limit": 5, "ms": 20},
     "retries": {"n": 200, "batch": 200, **RETRY},
     "on_complete": {"n": 2_000, "batch": 1_000},
-    "scale_small": {"pending": 10_000, "k": 1_000, "batch": 5_000},
-    "scale_large": {"pending": 100_000, "k": 1_000, "batch": 5_000},
+    "scale_small": {"pending": 10_000, "warm": 200, "k": 2_000, "batch": 5_000},
+    "scale_large": {"pending": 100_000, "warm": 200, "k": 2_000, "batch": 5_000},
     "big": {"n": 10, "size": 800_000},
     "idle": {"seconds": 3, "settle": 1},
 }
