@@ -165,7 +165,7 @@ class SqliteStore(SqlStore):
 
         SQLite's own busy handler sleeps 1, 2, 5, 10 ... 100 ms between tries, so a
         worker waiting behind another process's short write would idle for tens of
-        milliseconds; this polls every 0.25 to 2 ms. Not much faster: a first wait
+        milliseconds; this polls every 0.25 to 3 ms. Not much faster: a first wait
         of 0.1-0.3 ms made 4 processes enqueueing one item at a time on 2 cores
         retry in vain so often that they managed 10.8k calls/s together, against
         16.6-17.7k with this one. Inside ``batch_writes`` (a worker's claims and
