@@ -31,6 +31,9 @@ BUSY_TIMEOUT_S = 30.0
 # Should another waiter have taken it, its commit is the next write to wait for.
 LOCK_LOOK_S = 0.00005
 LOCK_LOOKS = 3
+# The longest a writer waits between two tries, polling or on the bell (a holder
+# that rolls back writes nothing to the log).
+LOCK_WAIT_MAX_S = 0.002
 # A commit that takes the WAL past this many pages copies it into the database
 # file itself, syncing it: 5-10 ms on a slow disk, inside a claim's commit, which
 # delayed 1 start in 100 by that much. Workers checkpoint every CHECKPOINT_EVERY_S
@@ -192,14 +195,14 @@ class SqliteStore(SqlStore):
                     raise
             if bell is None:
                 time.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, 0.002)
+                delay = min(delay * 2, LOCK_WAIT_MAX_S)
                 continue
             if bell.wait(0.0):
                 looks = LOCK_LOOKS  # the log was written since the last look
             if looks > 0:
                 looks -= 1
                 time.sleep(LOCK_LOOK_S)  # a commit is being written: it ends soon
-            elif bell.wait(0.002):
+            elif bell.wait(LOCK_WAIT_MAX_S):
                 looks = LOCK_LOOKS
 
     @contextmanager
