@@ -79,8 +79,10 @@ def test_successes_are_counted_once_in_the_buckets_of_histogram_bucket(app):
     assert sorted(started) == sorted(ids)
 
     now = time.time()
-    items = [(work_id, 1, success_json("null")) for work_id in sorted(started)]
-    stale = [(ids[0], 2, success_json("null"))]  # a wrong attempt: not counted
+    # (id, attempt, result, pool, start lag): PostgreSQL counts the lags of the rows
+    # it finishes, SQLite the ones given for them.
+    items = [(w, 1, success_json("null"), "lags", started[w]) for w in sorted(started)]
+    stale = [(ids[0], 2, success_json("null"), "lags", 0.0)]  # a wrong attempt: not counted
     assert store.run(lambda tx: store.finish_succeeded(tx, stale, now, "w1"))() == []
     done = store.run(lambda tx: store.finish_succeeded(tx, items, now, "w1"))()
     assert sorted(done) == sorted(ids)

@@ -182,8 +182,8 @@ def test_a_worker_waiting_for_the_sqlite_write_lock_takes_it_when_the_holder_end
 
     def wait_for_lock() -> None:
         with waiter.batch_writes(), waiter.transaction() as tx:
+            tx.execute("INSERT INTO t VALUES ('waiter')")  # takes the write lock
             took.append(ended.is_set())
-            tx.execute("INSERT INTO t VALUES ('waiter')")
 
     second = threading.Thread(target=wait_for_lock)
     second.start()
@@ -199,3 +199,53 @@ def test_a_worker_waiting_for_the_sqlite_write_lock_takes_it_when_the_holder_end
         assert waiter._lock_bell is not None, "where inotify works the waiter watched the log"
     holder.close()
     waiter.close()
+
+
+def test_a_sqlite_write_transaction_takes_the_write_lock_at_its_first_statement(
+    tmp_path: Any,
+) -> None:
+    """Until its first statement, or its COMMIT when all it has are deferred
+    statements, a write transaction holds no lock: a worker builds its batch while
+    another process writes, and holds the lock for the batch's SQL alone."""
+    from workpool.store.sqlite.store import SqliteStore
+
+    path = str(tmp_path / "lazy.db")
+    holder, other = SqliteStore(path), SqliteStore(path)  # as two processes would
+    with holder.transaction() as tx:
+        tx.execute("CREATE TABLE t (who TEXT)")
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with holder.transaction() as tx:
+            tx.execute("INSERT INTO t VALUES ('holder')")
+            holding.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    assert holding.wait(5)
+    entered, committed = threading.Event(), threading.Event()
+
+    def write_later() -> None:
+        with other.transaction() as tx:
+            entered.set()
+            tx.defer("INSERT INTO t VALUES ('deferred')")
+        committed.set()
+
+    second = threading.Thread(target=write_later)
+    second.start()
+    try:
+        assert entered.wait(5), "the transaction began while another process wrote"
+        with other.transaction():
+            pass  # nothing to write: no lock to wait for
+        assert not committed.wait(0.2), "its deferred statement waits for the lock"
+    finally:
+        release.set()
+        thread.join(15)
+        second.join(15)
+    assert committed.is_set()
+    with other.transaction(readonly=True) as tx:
+        rows = sorted(r[0] for r in tx.execute("SELECT who FROM t").fetchall())
+    assert rows == ["deferred", "holder"]
+    holder.close()
+    other.close()

@@ -283,7 +283,10 @@ class Completion:
         if handled:
             batch = self._run_handlers(tx, batch, handled)
         # Sorted: rows are locked in one global order, as everywhere else.
-        items = sorted((w.id, w.attempt, _success_json(o)) for w, o, _ in batch)
+        items = sorted(
+            (w.id, w.attempt, _success_json(o), w.pool, max(w.started_at - w.due_at, 0.0))
+            for w, o, _ in batch
+        )
         finished = self.store.finish_succeeded(tx, items, now, worker_id)
         for pool, count in Counter(work.pool for work, _, _ in batch).items():
             changes.direct[pool] = changes.direct.get(pool, 0) + count

@@ -519,12 +519,17 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def finish_succeeded(
-        self, tx: Tx, items: Sequence[tuple[str, int, str]], now: float, worker_id: str
+        self,
+        tx: Tx,
+        items: Sequence[tuple[str, int, str, str, float]],
+        now: float,
+        worker_id: str,
     ) -> Callable[[], list[str]]:
-        """running -> finished for (id, attempt, result JSON) without reading the rows
-        first, each counted as a success with its start lag in ``worker_id``'s
-        counters of the minute. Calling the result after ``tx`` committed gives the
-        ids that were still running that attempt (the others are stale)."""
+        """running -> finished for (id, attempt, result JSON, pool, start lag) without
+        reading the rows first, each counted as a success with its start lag in
+        ``worker_id``'s counters of the minute. Calling the result after ``tx``
+        committed gives the ids that were still running that attempt (the others are
+        stale, and not counted)."""
 
     @abc.abstractmethod
     def running_handlers(

@@ -321,6 +321,13 @@ class SqlStore(SqlReads, Store):
         " ORDER BY due_at, id LIMIT %s%s"
     )
 
+    def load_pools_later(self, tx: Tx) -> Callable[[], list[PoolConfig]]:
+        # With the COMMIT: in its round trip on PostgreSQL, after the write lock's
+        # SQL on SQLite, not before it.
+        sql = self._sql(f"SELECT {self._POOL_COLUMNS} FROM {{s}}pools ORDER BY name")
+        rows = tx.defer(sql, rows=True)
+        return lambda: [self._pool(row) for row in rows.rows]
+
     def claim(self, tx: Tx, pool: str, limit: int, worker_id: str, now: float) -> list[ClaimedWork]:
         return self._claimed(pool, now, self._claim_rows(tx, pool, limit, worker_id, now))()
 

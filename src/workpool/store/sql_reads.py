@@ -235,12 +235,19 @@ class SqlReads:
         # One row per (pool, worker, minute): completions of different workers never
         # update the same row. Nothing reads it back in the transaction, so it waits
         # for the COMMIT (on PostgreSQL, in the COMMIT's round trip).
-        columns = (*self._SUMMED, "lag_max")
-        tx.defer(
-            self._sql(
-                f"INSERT INTO {{s}}counters (pool, worker_id, bucket, {', '.join(columns)})"
-                f" VALUES (?, ?, ?, {', '.join('?' * len(columns))})" + self._COUNTERS_ADDED
-            ),
+        sql, params = self.counters_upsert(pool, worker_id, bucket, counters)
+        tx.defer(self._sql(sql), params)
+
+    @classmethod
+    def counters_upsert(
+        cls, pool: str, worker_id: str, bucket: int, counters: Counters
+    ) -> tuple[str, tuple[Any, ...]]:
+        """The statement (a template for ``_sql``) adding ``counters`` to a worker's
+        row of the minute, and its parameters."""
+        columns = (*cls._SUMMED, "lag_max")
+        return (
+            f"INSERT INTO {{s}}counters (pool, worker_id, bucket, {', '.join(columns)})"
+            f" VALUES (?, ?, ?, {', '.join('?' * len(columns))})" + cls._COUNTERS_ADDED,
             (
                 pool,
                 worker_id,

@@ -722,7 +722,11 @@ class PostgresStore(SqlStore):
         )
 
     def finish_succeeded(
-        self, tx: Tx, items: Sequence[tuple[str, int, str]], now: float, worker_id: str
+        self,
+        tx: Tx,
+        items: Sequence[tuple[str, int, str, str, float]],
+        now: float,
+        worker_id: str,
     ) -> Callable[[], list[str]]:
         if not items:
             return list
@@ -736,7 +740,7 @@ class PostgresStore(SqlStore):
         )
         # Sent with the COMMIT, and counted by the statement itself: which rows were
         # still running is known only there, and the counters go in the same round
-        # trip. The start lags fall in histogram.LAG_BOUNDS buckets as in bucket().
+        # trip.
         found = tx.defer(
             self._sql(
                 f"WITH f AS (SELECT * FROM {rows} AS f(id, state, attempt, result)),"
@@ -756,15 +760,21 @@ class PostgresStore(SqlStore):
         )
         return lambda: [r[0] for r in found.rows]
 
-    # The successes in ``gone`` added to the worker's counters (%s: worker, minute).
+    # The successes in ``gone`` (pool, lag) added to the worker's counters
+    # (parameters: worker, minute); the start lags fall in histogram.LAG_BOUNDS
+    # buckets as in bucket(). Grouped by pool and bucket first, then by pool: in one
+    # pass the planner put the bucket's CASE into each of the histogram's fourteen
+    # aggregates, and evaluated it for every one (lags of a second: 1.9 -> 0.45 us
+    # a row of server time).
     _COUNT_SUCCESSES = (
         f"INSERT INTO {{s}}counters (pool, worker_id, bucket, {', '.join(SqlStore._SUMMED)},"
-        " lag_max) SELECT pool, %s, %s, count(*), count(*), 0, 0, 0, count(*), sum(lag), "
-        + ", ".join(f"count(*) FILTER (WHERE b = {i})" for i in range(len(LAG_BOUNDS)))
-        + ", max(lag) FROM (SELECT pool, lag, CASE "
-        + " ".join(f"WHEN lag <= {b!r}::float8 THEN {i}" for i, b in enumerate(LAG_BOUNDS[:-1]))
-        + f" ELSE {len(LAG_BOUNDS) - 1} END AS b FROM gone) g GROUP BY pool"
-        + SqlStore._COUNTERS_ADDED
+        " lag_max) SELECT pool, ?, ?, sum(n), sum(n), 0, 0, 0, sum(n), sum(s), "
+        + ", ".join(f"coalesce(sum(n) FILTER (WHERE b = {i}), 0)" for i in range(len(LAG_BOUNDS)))
+        + ", max(m) FROM (SELECT pool, b, count(*) AS n, sum(lag) AS s, max(lag) AS m"
+        " FROM (SELECT pool, lag, CASE "
+        + " ".join(f"WHEN lag <= {b!r} THEN {i}" for i, b in enumerate(LAG_BOUNDS[:-1]))
+        + f" ELSE {len(LAG_BOUNDS) - 1} END AS b FROM gone) x GROUP BY pool, b) g"
+        " GROUP BY pool" + SqlStore._COUNTERS_ADDED
     )
 
     def retry_many(self, tx: Tx, items: Sequence[Retrying], *, at_commit: bool = False) -> None:
@@ -824,11 +834,6 @@ class PostgresStore(SqlStore):
             (pool, before, limit),
         )
         return int(cur.rowcount)
-
-    def load_pools_later(self, tx: Tx) -> Callable[[], list[PoolConfig]]:
-        sql = self._sql(f"SELECT {self._POOL_COLUMNS} FROM {{s}}pools ORDER BY name")
-        rows = tx.defer(sql, rows=True)
-        return lambda: [self._pool(row) for row in rows.rows]
 
     def _executemany(self, tx: Tx, sql: str, rows: list[tuple[Any, ...]]) -> None:
         with tx.connection.cursor() as cur:

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from typing import Any, ClassVar
 
 from workpool.core.errors import InvalidArgumentError, StoreUnavailableError
-from workpool.store.base import Counters, Finishing, Tx, Upkeep, Watcher, minute_of
+from workpool.store.base import Counters, Deferred, Finishing, Tx, Upkeep, Watcher, minute_of
 from workpool.store.sql import SqlStore, check_schema
 from workpool.store.sql_reads import IN_CHUNK, storable
 from workpool.store.sqlite.migrations import MIGRATIONS
@@ -233,20 +233,16 @@ class SqliteStore(SqlStore):
                 _end(conn, tx, commit)
 
             return conn, None, end_read
-        # Threads of one process queue on this mutex instead of on SQLite's busy
-        # handler, which sleeps in steps of up to 100 ms; other processes still meet
-        # the file lock and its busy timeout.
-        self._writer.acquire()
-        try:
-            # IMMEDIATE takes the write lock up front: a deferred transaction that
-            # later writes can fail with SQLITE_BUSY_SNAPSHOT, which no busy timeout
-            # retries.
-            self._begin_immediate(conn)
-        except BaseException:
-            self._writer.release()
-            raise
 
+        # A write transaction takes the write lock at its first statement
+        # (``send_begin``), or at COMMIT when all it has are deferred statements: the
+        # Python that builds a worker's batch (its finishes, counters and claim) runs
+        # before the lock, which every other writer waits for, and only SQL runs in it.
         def end(tx: Tx, commit: bool) -> None:
+            if tx.begin is not None:
+                if not (commit and tx.deferred):
+                    return  # nothing ran and nothing waits: no lock was taken
+                self.send_begin(tx)
             try:
                 _end(conn, tx, commit)
             except BaseException:
@@ -256,7 +252,22 @@ class SqliteStore(SqlStore):
             finally:
                 self._writer.release()
 
-        return conn, None, end
+        return conn, "BEGIN IMMEDIATE", end
+
+    def send_begin(self, tx: Tx) -> None:
+        # Threads of one process queue on this mutex instead of on SQLite's busy
+        # handler, which sleeps in steps of up to 100 ms; other processes still meet
+        # the file lock and its busy timeout.
+        self._writer.acquire()
+        try:
+            # IMMEDIATE takes the write lock up front: a deferred transaction that
+            # later writes can fail with SQLITE_BUSY_SNAPSHOT, which no busy timeout
+            # retries.
+            self._begin_immediate(tx.raw)
+        except BaseException:
+            self._writer.release()
+            raise
+        tx.begin = None
 
     def is_transient(self, exc: BaseException) -> bool:
         if not isinstance(exc, sqlite3.OperationalError):
@@ -389,6 +400,20 @@ class SqliteStore(SqlStore):
                 self._json = False
         return self._json
 
+    # A claim is one statement: the pool's limit and running count in its LIMIT, its
+    # args (from payloads where the row has none; "" when that row is missing, and
+    # the worker fails such work as corrupt) in its RETURNING.
+    _SQLITE_CLAIM = (
+        SqlStore._CLAIM
+        % (
+            "id IN (SELECT id FROM {s}work WHERE pool = ? AND state = 'pending'"
+            " AND due_at <= ? ORDER BY due_at, id LIMIT max(min(?, coalesce((SELECT"
+            " max_parallelism FROM {s}pools WHERE name = ?), 0) - (SELECT count(*) FROM"
+            " {s}work WHERE pool = ? AND state = 'running')), 0))"
+        )
+        + ", coalesce(args, (SELECT p.args FROM {s}payloads p WHERE p.id = {s}work.id), '')"
+    )
+
     def _claim_rows(
         self,
         tx: Tx,
@@ -399,34 +424,14 @@ class SqliteStore(SqlStore):
         *,
         at_commit: bool = False,
     ) -> Callable[[], list[Any]]:
-        """Args are "" when the payload row is missing: the worker fails such work as
-        corrupt. Claims at once even ``at_commit``: without round trips, waiting
-        for the COMMIT gains nothing."""
-        # Exact global limit: every claimer of this pool holds the pool lock from here
-        # to commit, and only claims add running rows, so the count below cannot be
-        # raised by anyone else before we commit (completions only lower it).
-        self._lock_pool(tx, pool)
-        (room,) = self.q(
-            tx,
-            "SELECT coalesce((SELECT max_parallelism FROM {s}pools WHERE name = ?), 0)"
-            " - (SELECT count(*) FROM {s}work WHERE pool = ? AND state = 'running')",
-            (pool, pool),
-        ).fetchone()
-        free = min(limit, room)
-        if free <= 0:
-            return list
-        sql = self._CLAIM % f"id IN ({self._CLAIM_IDS % ('?', self.skip_locked)})" + ", args"
-        rows = self.q(tx, sql, (worker_id, now, pool, now, free)).fetchall()
-        elsewhere = [r[0] for r in rows if r[7] is None]  # args in payloads
-        if elsewhere:
-            args: dict[str, str] = {}
-            for chunk in self.iter_chunks(elsewhere, IN_CHUNK):
-                marks = ", ".join("?" * len(chunk))
-                found = self.q(
-                    tx, f"SELECT id, args FROM {{s}}payloads WHERE id IN ({marks})", chunk
-                )
-                args.update(found.fetchall())
-            rows = [r if r[7] is not None else (*r[:7], args.get(r[0], "")) for r in rows]
+        # Exact global limit: a claim counts the pool's running rows under the write
+        # lock, held from that count to the commit, and only claims add running rows,
+        # so nobody can raise the count before we commit (completions only lower it).
+        params = (worker_id, now, pool, now, limit, pool, pool)
+        if at_commit:
+            claim = tx.defer(self._sql(self._SQLITE_CLAIM), params, rows=True)
+            return lambda: claim.rows
+        rows = self.q(tx, self._SQLITE_CLAIM, params).fetchall()
         return lambda: rows
 
     def finish_many(
@@ -452,21 +457,26 @@ class SqliteStore(SqlStore):
             " WHERE w.state = json_extract(j.value, '$[1]')"
             " AND w.attempt = json_extract(j.value, '$[2]')"
         )
-        self.q(
-            tx,
-            "INSERT INTO {s}finished (id, pool, fn_name, kind, args, on_complete, outcome,"
-            " result, attempts, enqueued_at, finished_at, last_error, handler_error)"
-            " SELECT w.id, w.pool, w.fn_name, w.kind, w.args, w.on_complete,"
-            " json_extract(j.value, '$[3]'), json_extract(j.value, '$[4]'), w.attempt,"
-            " w.enqueued_at, ?, w.last_error, json_extract(j.value, '$[5]')" + matching,
+        # With the COMMIT where nothing reads them before: the write lock is then held
+        # for SQL only (see _begin).
+        write = tx.defer if at_commit else tx.execute
+        write(
+            self._sql(
+                "INSERT INTO {s}finished (id, pool, fn_name, kind, args, on_complete, outcome,"
+                " result, attempts, enqueued_at, finished_at, last_error, handler_error)"
+                " SELECT w.id, w.pool, w.fn_name, w.kind, w.args, w.on_complete,"
+                " json_extract(j.value, '$[3]'), json_extract(j.value, '$[4]'), w.attempt,"
+                " w.enqueued_at, ?, w.last_error, json_extract(j.value, '$[5]')" + matching
+            ),
             (now, rows),
         )
         # The rows just copied, found by the copies: an id is finished once, so the
         # ids finished at ``now`` are exactly those (a JSON match again costs twice).
-        self.q(
-            tx,
-            "DELETE FROM {s}work WHERE id IN (SELECT f.id FROM json_each(?) j"
-            " CROSS JOIN {s}finished f ON f.id = j.value WHERE f.finished_at = ?)",
+        write(
+            self._sql(
+                "DELETE FROM {s}work WHERE id IN (SELECT f.id FROM json_each(?) j"
+                " CROSS JOIN {s}finished f ON f.id = j.value WHERE f.finished_at = ?)"
+            ),
             (json.dumps([f.work.id for f in items]), now),
         )
 
@@ -500,49 +510,59 @@ class SqliteStore(SqlStore):
         )
 
     def finish_succeeded(
-        self, tx: Tx, items: Sequence[tuple[str, int, str]], now: float, worker_id: str
+        self, tx: Tx, items: Sequence[tuple[str, int, str, str, float]], now: float, worker_id: str
     ) -> Callable[[], list[str]]:
-        # One read finds the rows still running the attempt; the writes then need no
-        # check of their own, because a write transaction here holds SQLite's only
-        # write lock from BEGIN IMMEDIATE to COMMIT.
-        # Measured: 20 -> 15 us per job against a DELETE ... RETURNING per row.
-        wanted = {work_id: (attempt, result) for work_id, attempt, result in items}
+        if not items:
+            return list
         if not self._has_json(tx):
-            return self._finish_succeeded_by_row(tx, wanted, now, worker_id)
-        # Three statements over JSON arrays for the whole batch, where executemany
-        # binds and steps once a row.
-        ids = json.dumps(sorted(storable(list(wanted))))
-        rows = self.q(
-            tx,
-            "SELECT w.id, w.attempt, w.pool, w.started_at, w.due_at FROM json_each(?) j"
-            " CROSS JOIN {s}work w ON w.id = j.value WHERE w.state = 'running'",
-            (ids,),
-        ).fetchall()
-        rows = [r for r in rows if wanted[r[0]][0] == r[1]]
-        live = [(r[0], wanted[r[0]][1]) for r in rows]
-        done = [work_id for work_id, _ in live]
-        self._count_successes(tx, worker_id, now, [r[2:] for r in rows])
-        # Pairs of id and result, both JSON strings, so that json_extract gives back
-        # the exact text of each.
-        self.q(
-            tx,
-            "INSERT INTO {s}finished (id, pool, fn_name, kind, args, on_complete, outcome,"
-            " result, attempts, enqueued_at, finished_at, last_error)"
-            " SELECT w.id, w.pool, w.fn_name, w.kind, w.args, w.on_complete, 'success',"
-            " json_extract(j.value, '$[1]'), w.attempt, w.enqueued_at, ?, w.last_error"
-            " FROM json_each(?) j CROSS JOIN {s}work w ON w.id = json_extract(j.value, '$[0]')",
-            (now, json.dumps(live)),
+            return self._finish_succeeded_by_row(tx, items, now, worker_id)
+        # With the COMMIT, and built before it: a worker's batch then holds the write
+        # lock for its SQL alone (see _begin). The copies into finished take the rows
+        # still running the attempt, from one JSON array of (id, attempt, result), texts
+        # as JSON strings so that json_extract gives them back exactly; the counters
+        # and the deletes go by the ids they return, which are all of them but for
+        # stale ones: both are ready for that case, made from the batch beforehand.
+        batch = [item for item in items if storable([item[0]])]
+        finished = tx.defer(
+            self._sql(
+                "INSERT INTO {s}finished (id, pool, fn_name, kind, args, on_complete, outcome,"
+                " result, attempts, enqueued_at, finished_at, last_error)"
+                " SELECT w.id, w.pool, w.fn_name, w.kind, w.args, w.on_complete, 'success',"
+                " json_extract(j.value, '$[2]'), w.attempt, w.enqueued_at, ?, w.last_error"
+                " FROM json_each(?) j CROSS JOIN {s}work w"
+                " ON w.id = json_extract(j.value, '$[0]') WHERE w.state = 'running'"
+                " AND w.attempt = json_extract(j.value, '$[1]') RETURNING id"
+            ),
+            (now, json.dumps([item[:3] for item in batch])),
+            rows=True,
         )
-        self.q(
-            tx,
-            "DELETE FROM {s}work WHERE id IN (SELECT value FROM json_each(?))",
-            (json.dumps(done),),
-        )
-        return lambda: done
+        planned = _successes(batch, worker_id, now)
+        delete = self._sql("DELETE FROM {s}work WHERE id IN (SELECT value FROM json_each(?))")
+
+        def settle(conn: sqlite3.Connection) -> None:
+            done = {row[0] for row in finished.rows}
+            ids, counters = planned
+            if len(done) < len(batch):  # stale ones among them: count and delete the rest
+                ids, counters = _successes([i for i in batch if i[0] in done], worker_id, now)
+            for sql, params in counters:
+                conn.execute(self._sql(sql), params)
+            conn.execute(delete, (ids,))
+
+        self._at_commit(tx, settle)
+        return lambda: [row[0] for row in finished.rows]
+
+    def _at_commit(self, tx: Tx, step: Callable[[sqlite3.Connection], None]) -> None:
+        """Run ``step`` with the deferred statements, in their order (at once in a
+        transaction adopted from the caller, as ``Tx.defer`` does)."""
+        if tx.owned:
+            tx.deferred.append(_Step(step))
+        else:
+            step(tx.connection)
 
     def _finish_succeeded_by_row(
-        self, tx: Tx, wanted: dict[str, tuple[int, str]], now: float, worker_id: str
+        self, tx: Tx, items: Sequence[tuple[str, int, str, str, float]], now: float, worker_id: str
     ) -> Callable[[], list[str]]:
+        wanted = {item[0]: (item[1], item[2]) for item in items}
         live: list[tuple[str, str]] = []
         counted: list[tuple[str, float, float]] = []
         for chunk in self.iter_chunks(sorted(storable(list(wanted))), IN_CHUNK):
@@ -608,8 +628,37 @@ def _end(conn: sqlite3.Connection, tx: Tx, commit: bool) -> None:
     """COMMIT after the deferred statements (no round trips to save here), or ROLLBACK."""
     if commit:
         for deferred in tx.deferred:
-            deferred.ran(conn.execute(deferred.sql, deferred.params))
+            if isinstance(deferred, _Step):
+                deferred.step(conn)
+            else:
+                deferred.ran(conn.execute(deferred.sql, deferred.params))
     conn.execute("COMMIT" if commit else "ROLLBACK")
+
+
+class _Step(Deferred):
+    """Python run between deferred statements, inside the write lock: kept to what
+    needs their answers (``SqliteStore._at_commit``)."""
+
+    __slots__ = ("step",)
+
+    def __init__(self, step: Callable[[sqlite3.Connection], None]) -> None:
+        super().__init__("", (), False)
+        self.step = step
+
+
+def _successes(
+    items: Sequence[tuple[str, int, str, str, float]], worker_id: str, now: float
+) -> tuple[str, list[tuple[str, tuple[Any, ...]]]]:
+    """The ids of finished successes as a JSON array, and the counters statements
+    that add them (one per pool), from (id, attempt, result, pool, start lag)."""
+    lags: dict[str, list[float]] = {}
+    for item in items:
+        lags.setdefault(item[3], []).append(item[4])
+    counters = [
+        SqliteStore.counters_upsert(pool, worker_id, minute_of(now), Counters.successes(values))
+        for pool, values in lags.items()
+    ]
+    return json.dumps([item[0] for item in items]), counters
 
 
 class _VersionProbe(Watcher):
