@@ -16,19 +16,22 @@ class RunInfo:
     attempt: int
 
 
-_current: ContextVar[RunInfo] = ContextVar("workpool_current")
+# The running attempt as (work_id, pool, fn_name, attempt): a RunInfo is made only
+# when asked for, since few functions ask and a frozen dataclass costs 0.6 us to
+# build, against a tuple's 0.06, for every attempt.
+_current: ContextVar[tuple[str, str, str, int]] = ContextVar("workpool_current")
 
 
 def current() -> RunInfo:
     """The RunInfo of the running attempt; ``LookupError`` outside one."""
     try:
-        return _current.get()
+        return RunInfo(*_current.get())
     except LookupError:
         raise LookupError("workpool.current() called outside a running work item") from None
 
 
-def set_current(info: RunInfo) -> object:
-    return _current.set(info)
+def set_current(work_id: str, pool: str, fn_name: str, attempt: int) -> object:
+    return _current.set((work_id, pool, fn_name, attempt))
 
 
 def reset_current(token: object) -> None:

@@ -31,7 +31,7 @@ from workpool.core.decide import AttemptOutcome, Raised, Succeeded
 from workpool.core.errors import describe_error, is_non_retryable
 from workpool.observability import events
 from workpool.runtime.completion import Changes, Completion, HandlerRaised
-from workpool.runtime.context import RunInfo, reset_current, set_current
+from workpool.runtime.context import reset_current, set_current
 from workpool.runtime.executor import Executor
 from workpool.runtime.maintenance import Maintenance
 from workpool.runtime.registry import FnSpec, Registry
@@ -270,7 +270,8 @@ class Worker:
         assert executor is not None
         coros = []
         in_tx: list[_InTx] = []
-        for work in claimed:
+        specs: dict[str, FnSpec | None] = {}
+        for work, args in zip(claimed, _decoded_args(claimed), strict=True):
             if work.pool in logged:
                 events.started(
                     logged[work.pool],
@@ -280,10 +281,12 @@ class Worker:
                     attempt=work.attempt,
                     start_lag=work.started_at - work.due_at,
                 )
-            prepared = self._prepare(work)
-            if prepared is None:
+            if work.fn_name not in specs:
+                specs[work.fn_name] = self.registry.get(work.fn_name)
+            spec = self._runnable(work, specs[work.fn_name], args)
+            if spec is None:
                 continue
-            spec, args = prepared
+            assert isinstance(args, dict)
             if work.kind != "action":
                 in_tx.append((spec, work, args))
             elif spec.is_async:
@@ -436,29 +439,24 @@ class Worker:
             watcher.close()
 
     # --- running attempts -------------------------------------------------------------------
-    def _prepare(self, work: ClaimedWork) -> tuple[FnSpec, dict[str, Any]] | None:
-        """The function and args of ``work``, already in flight; None if it cannot
-        start (it is then failed)."""
-        spec = self.registry.get(work.fn_name)
+    def _runnable(
+        self, work: ClaimedWork, spec: FnSpec | None, args: dict[str, Any] | Exception
+    ) -> FnSpec | None:
+        """The function of ``work``, already in flight, whose ``args`` were decoded
+        from its row (an exception if they could not be); None if it cannot start
+        (it is then failed)."""
         if spec is None or spec.kind != work.kind:
             reason = f"{work.kind} {work.fn_name!r} is not registered in this worker's App"
             self._ended(work, Raised(reason, retryable=False), 0.0)
             return None
-        try:
-            args = json.loads(work.args)
-            if not isinstance(args, dict):
-                raise ValueError("args are not a JSON object")
-        except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep JSON
-            reason = f"stored args are corrupt: {describe_error(exc)}"
+        if isinstance(args, Exception):
+            reason = f"stored args are corrupt: {describe_error(args)}"
             self._ended(work, Raised(reason, retryable=False), 0.0)
             return None
-        return spec, args
-
-    def _info(self, work: ClaimedWork) -> RunInfo:
-        return RunInfo(work.id, work.pool, work.fn_name, work.attempt)
+        return spec
 
     def _run_sync(self, spec: FnSpec, work: ClaimedWork, args: dict[str, Any]) -> None:
-        token = set_current(self._info(work))
+        token = set_current(work.id, work.pool, work.fn_name, work.attempt)
         started = time.monotonic()
         try:
             outcome = _returned(spec.fn(**args))
@@ -469,7 +467,7 @@ class Worker:
         self._ended(work, outcome, time.monotonic() - started)
 
     async def _run_async(self, spec: FnSpec, work: ClaimedWork, args: dict[str, Any]) -> None:
-        token = set_current(self._info(work))
+        token = set_current(work.id, work.pool, work.fn_name, work.attempt)
         started = time.monotonic()
         try:
             if work.timeout is None:
@@ -631,7 +629,7 @@ class Worker:
         shared: bool = False,
     ) -> AttemptOutcome:
         """One mutation or query; ``shared``: a query in ``_run_queries``' block."""
-        token = set_current(self._info(work))
+        token = set_current(work.id, work.pool, work.fn_name, work.attempt)
         try:
             if shared or (optimistic and spec.kind == "mutation"):
                 return _returned(spec.fn(tx, **args))
@@ -950,6 +948,37 @@ def _shares(rooms: dict[str, int], free: int, turn: int) -> dict[str, int]:
             if left == 0:
                 break
     return {p: n for p, n in asks.items() if n > 0}
+
+
+def _decoded_args(claimed: Sequence[ClaimedWork]) -> list[dict[str, Any] | Exception]:
+    """Each attempt's args as a dict, or the error that decoding them met.
+
+    One parse for the whole claim, of its args joined into a JSON array: a call of
+    ``json.loads`` per attempt cost 1.5 us against 0.2. Args that do not decode each
+    to one object (a corrupt row) send the claim to a parse per attempt, which
+    finds them.
+    """
+    try:
+        joined = json.loads("[" + ",".join(work.args for work in claimed) + "]")
+    except (ValueError, RecursionError):
+        joined = None
+    if (
+        isinstance(joined, list)
+        and len(joined) == len(claimed)
+        and all(type(args) is dict for args in joined)
+    ):
+        return joined
+    return [_decode_one(work.args) for work in claimed]
+
+
+def _decode_one(text: str) -> dict[str, Any] | Exception:
+    try:
+        args = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep JSON
+        return exc
+    if not isinstance(args, dict):
+        return ValueError("args are not a JSON object")
+    return args
 
 
 def _returned(value: object) -> AttemptOutcome:
