@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from typing import Any
 
 import pytest
 
@@ -694,3 +696,38 @@ def test_one_batch_of_mixed_outcomes_runs_each_live_handler_once(app, rec: Recor
     assert (status.state, status.attempt) == ("running", 1), status
     stats = pool.stats()
     assert (stats.succeeded, stats.failed, stats.completed) == (4, 1, 5)
+
+
+def test_statements_of_handlers_in_the_pipelined_pass_keep_their_order_and_cursors(app, user_table):
+    """In the completer's optimistic pass (a pipeline on PostgreSQL) ``tx.execute``
+    holds statements back and sends many as one ``executemany``: each still runs once,
+    in order, and a cursor kept or read later gives its own statement's answer."""
+    store, t, p = app.store, user_table.name, user_table.p
+
+    def body(tx: workpool.Tx) -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        with store.pipeline(tx):  # as the worker's optimistic pass
+            for i in range(5):  # nobody keeps these cursors: one executemany on PostgreSQL
+                user_table.insert(tx, f"a{i}")
+            kept = tx.execute(f"SELECT count(*) FROM {t}")  # read only after later writes
+            for i in range(3):
+                user_table.insert(tx, f"b{i}")
+            updated = tx.execute(f"UPDATE {t} SET v = 'x' WHERE k LIKE {p}", ("b%",))
+            seen["updated"] = updated.rowcount
+            seen["kept"] = kept.fetchone()[0]
+            seen["iterated"] = sorted(row[0] for row in tx.execute(f"SELECT k FROM {t}"))
+            with contextlib.closing(tx.execute(f"SELECT v FROM {t} WHERE k = {p}", ("b0",))) as c:
+                seen["with"] = c.fetchall()
+            user_table.insert(tx, "c")  # sent when the pipeline ends
+        return seen
+
+    seen = store.run(body)
+    assert seen["updated"] == 3
+    assert seen["kept"] == 5, "the SELECT ran after the first five inserts, before the rest"
+    assert seen["iterated"] == [*(f"a{i}" for i in range(5)), "b0", "b1", "b2"]
+    assert [tuple(r) for r in seen["with"]] == [("x",)]
+    assert user_table.rows() == [
+        *((f"a{i}", None) for i in range(5)),
+        *((f"b{i}", "x") for i in range(3)),
+        ("c", None),
+    ]

@@ -479,3 +479,24 @@ def test_payloads_are_compressed_with_lz4_where_the_server_has_it(pg_app: Any) -
     assert sorted((name, c) for _, name, c in rows) == sorted(
         [("args", "l"), ("context", "l"), ("result", "l"), ("args", "l"), ("result", "l")]
     )
+
+
+def test_a_statement_held_in_a_pipeline_is_not_sent_after_its_transaction(
+    pg_app: Any,
+) -> None:
+    """A cursor of a statement that ``tx.execute`` held back and whose transaction
+    rolled back says so when used, and the statement never runs."""
+    store = pg_app.store
+    kept: list[Any] = []
+
+    def body(tx: Any) -> None:
+        with store.pipeline(tx):
+            with tx.execute("SELECT 2") as cur:  # a psycopg cursor's context manager
+                assert cur.fetchone() == (2,)
+            kept.append(tx.execute("SELECT 1"))
+            raise RuntimeError("roll back")
+
+    with pytest.raises(RuntimeError, match="roll back"):
+        store.run(body)
+    with pytest.raises(RuntimeError, match="transaction ended before the cursor was used"):
+        kept[0].fetchone()

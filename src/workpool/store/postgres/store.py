@@ -262,6 +262,7 @@ class PostgresStore(SqlStore):
         in one round trip. (Not for user SQL: a pipeline takes one statement per
         string.)"""
         if tx.begin is None:
+            tx.send_held()  # user statements held back before it go first
             return tx.raw.execute(sql, params)
         with self.pipeline(tx):
             cur = tx.raw.execute(sql, params)
@@ -414,7 +415,9 @@ class PostgresStore(SqlStore):
                     tx.raw.execute(tx.begin)
                     tx.begin = None
                 yield
+                tx.send_held()  # in the pipeline, whose end reads their answers
             except BaseException:
+                tx.drop_held()
                 # The statements queued after a failed one come back "aborted": read
                 # them here, or psycopg's exit logs a warning about them on top of
                 # the error that is already on its way (the transaction rolls back).
