@@ -400,9 +400,11 @@ class SqliteStore(SqlStore):
                 self._json = False
         return self._json
 
-    # A claim is one statement: the pool's limit and running count in its LIMIT, its
-    # args (from payloads where the row has none; "" when that row is missing, and
-    # the worker fails such work as corrupt) in its RETURNING.
+    # A claim is one statement, the pool's limit and running count in its LIMIT. Its
+    # args come from payloads where the row has none ("" when that row is missing,
+    # and the worker fails such work as corrupt): read apart, as a subquery in the
+    # RETURNING copied each into SQLite's buffer of returned rows (a claim of 50 of
+    # 800 KB: 30-42 -> 100-126 ms).
     _SQLITE_CLAIM = (
         SqlStore._CLAIM
         % (
@@ -411,7 +413,7 @@ class SqliteStore(SqlStore):
             " max_parallelism FROM {s}pools WHERE name = ?), 0) - (SELECT count(*) FROM"
             " {s}work WHERE pool = ? AND state = 'running')), 0))"
         )
-        + ", coalesce(args, (SELECT p.args FROM {s}payloads p WHERE p.id = {s}work.id), '')"
+        + ", args"
     )
 
     def _claim_rows(
@@ -428,11 +430,25 @@ class SqliteStore(SqlStore):
         # lock, held from that count to the commit, and only claims add running rows,
         # so nobody can raise the count before we commit (completions only lower it).
         params = (worker_id, now, pool, now, limit, pool, pool)
-        if at_commit:
-            claim = tx.defer(self._sql(self._SQLITE_CLAIM), params, rows=True)
-            return lambda: claim.rows
-        rows = self.q(tx, self._SQLITE_CLAIM, params).fetchall()
-        return lambda: rows
+        if not at_commit:
+            rows = self._payloads_of(tx, self.q(tx, self._SQLITE_CLAIM, params).fetchall())
+            return lambda: rows
+        claim = tx.defer(self._sql(self._SQLITE_CLAIM), params, rows=True)
+        # Payloads are read after the COMMIT, outside the write lock: written once at
+        # enqueue, they change no more, and go only with their finished row's pruning.
+        return lambda: self.run(lambda rtx: self._payloads_of(rtx, claim.rows), readonly=True)
+
+    def _payloads_of(self, tx: Tx, rows: list[Any]) -> list[Any]:
+        """Claimed rows with the args of those whose args are in payloads."""
+        elsewhere = [r[0] for r in rows if r[7] is None]
+        if not elsewhere:
+            return rows
+        args: dict[str, str] = {}
+        for chunk in self.iter_chunks(elsewhere, IN_CHUNK):
+            marks = ", ".join("?" * len(chunk))
+            found = self.q(tx, f"SELECT id, args FROM {{s}}payloads WHERE id IN ({marks})", chunk)
+            args.update(found.fetchall())
+        return [r if r[7] is not None else (*r[:7], args.get(r[0], "")) for r in rows]
 
     def finish_many(
         self, tx: Tx, items: Sequence[Finishing], now: float, *, at_commit: bool = False
