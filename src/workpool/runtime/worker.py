@@ -21,12 +21,12 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from functools import partial
 from types import FrameType
-from typing import Any
+from typing import Any, cast
 
 from workpool.core.decide import AttemptOutcome, Raised, Succeeded
 from workpool.core.errors import describe_error, is_non_retryable
@@ -954,7 +954,7 @@ def _shares(rooms: dict[str, int], free: int, turn: int) -> dict[str, int]:
     return {p: n for p, n in asks.items() if n > 0}
 
 
-def _decoded_args(claimed: Sequence[ClaimedWork]) -> Iterator[dict[str, Any] | Exception]:
+def _decoded_args(claimed: Sequence[ClaimedWork]) -> Iterable[dict[str, Any] | Exception]:
     """Each attempt's args as a dict, or the error that decoding them met.
 
     One parse for the whole claim, of its args joined into a JSON array: a call of
@@ -967,18 +967,18 @@ def _decoded_args(claimed: Sequence[ClaimedWork]) -> Iterator[dict[str, Any] | E
     are rows, while none decodes alone, would run with those objects: only someone
     who can write the table can make them, and could as well write any args.)
     """
+    texts = [work.args for work in claimed]
     joined = None
-    if sum(len(work.args) for work in claimed) <= JOINED_ARGS_MAX:
+    if sum(map(len, texts)) <= JOINED_ARGS_MAX:
         with suppress(ValueError, RecursionError):
-            joined = json.loads("[" + ",".join(work.args for work in claimed) + "]")
+            joined = json.loads("[" + ",".join(texts) + "]")
     if (
         isinstance(joined, list)
         and len(joined) == len(claimed)
         and all(type(args) is dict for args in joined)
     ):
-        yield from joined
-    else:
-        yield from (_decode_one(work.args) for work in claimed)
+        return cast(list[dict[str, Any] | Exception], joined)
+    return map(_decode_one, texts)
 
 
 def _decode_one(text: str) -> dict[str, Any] | Exception:
