@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+import workpool
 from workpool.core import histogram
 from workpool.core.ids import new_work_ids
 from workpool.core.results import success_json
@@ -99,3 +100,25 @@ def test_successes_are_counted_once_in_the_buckets_of_histogram_bucket(app):
     assert (counted.failed, counted.retries, counted.canceled) == (0, 0, 0)
     assert counted.lag_max == 3600.0
     assert counted.lag_sum == pytest.approx(sum(lags))
+
+
+def test_a_stale_and_a_live_outcome_of_one_item_in_one_batch_count_once(app):
+    """A batch may hold an old attempt's success beside the current one's: only the
+    one that finishes the row is counted, and the row is finished once."""
+    store = app.store
+    (wid, other) = _pending(app, "twice", 2)
+    claimed = store.run(lambda tx: store.claim(tx, "twice", 2, "w1", 1.0))
+    assert sorted(w.id for w in claimed) == sorted([wid, other])
+    now = time.time()
+    items = sorted(
+        [
+            (wid, 0, success_json('"stale"'), "twice", 1.0),
+            (wid, 1, success_json('"live"'), "twice", 1.0),
+            (other, 1, success_json("null"), "twice", 1.0),
+        ]
+    )
+    done = store.run(lambda tx: store.finish_succeeded(tx, items, now, "w1"))()
+    assert sorted(done) == sorted([wid, other])
+    counted = store.run(lambda tx: store.read_counters(tx, "twice", minute_of(now)), readonly=True)
+    assert (counted.completed, counted.succeeded) == (2, 2)
+    assert app.pool("twice").status(wid) == workpool.Finished(workpool.Success("live"))

@@ -547,7 +547,7 @@ class SqliteStore(SqlStore):
                 " json_extract(j.value, '$[2]'), w.attempt, w.enqueued_at, ?, w.last_error"
                 " FROM json_each(?) j CROSS JOIN {s}work w"
                 " ON w.id = json_extract(j.value, '$[0]') WHERE w.state = 'running'"
-                " AND w.attempt = json_extract(j.value, '$[1]') RETURNING id"
+                " AND w.attempt = json_extract(j.value, '$[1]') RETURNING id, attempts"
             ),
             (now, json.dumps([item[:3] for item in batch])),
             rows=True,
@@ -556,10 +556,11 @@ class SqliteStore(SqlStore):
         delete = self._sql("DELETE FROM {s}work WHERE id IN (SELECT value FROM json_each(?))")
 
         def settle(conn: sqlite3.Connection) -> None:
-            done = {row[0] for row in finished.rows}
+            done = {(row[0], row[1]) for row in finished.rows}
             ids, counters = planned
             if len(done) < len(batch):  # stale ones among them: count and delete the rest
-                ids, counters = _successes([i for i in batch if i[0] in done], worker_id, now)
+                live = [i for i in batch if (i[0], i[1]) in done]
+                ids, counters = _successes(live, worker_id, now)
             for sql, params in counters:
                 conn.execute(self._sql(sql), params)
             conn.execute(delete, (ids,))
