@@ -151,6 +151,16 @@ def test_connections_and_watchers_past_descriptor_1023_work(store_url: str, high
         app.close()
 
 
+def _two_stores_with_a_table(path: str) -> tuple[Any, Any]:
+    """Two SQLite stores on one file, as two processes would have, and a table t."""
+    from workpool.store.sqlite.store import SqliteStore
+
+    first, second = SqliteStore(path), SqliteStore(path)
+    with first.transaction() as tx:
+        tx.execute("CREATE TABLE t (who TEXT)")
+    return first, second
+
+
 @pytest.mark.parametrize("holder_commits", [True, False], ids=["commit", "rollback"])
 def test_a_worker_waiting_for_the_sqlite_write_lock_takes_it_when_the_holder_ends(
     tmp_path: Any, holder_commits: bool
@@ -158,12 +168,8 @@ def test_a_worker_waiting_for_the_sqlite_write_lock_takes_it_when_the_holder_end
     """A worker's claims and records (``batch_writes``) wait for another process's
     write lock by watching the log, which the holder writes as it commits; a holder
     that rolls back writes nothing there, and the waiter must take the lock anyway."""
-    from workpool.store.sqlite.store import SqliteStore
-
     path = str(tmp_path / "lock.db")
-    holder, waiter = SqliteStore(path), SqliteStore(path)  # as two processes would
-    with holder.transaction() as tx:
-        tx.execute("CREATE TABLE t (who TEXT)")
+    holder, waiter = _two_stores_with_a_table(path)
     holding, ended = threading.Event(), threading.Event()
 
     def hold() -> None:
@@ -207,12 +213,7 @@ def test_a_sqlite_write_transaction_takes_the_write_lock_at_its_first_statement(
     """Until its first statement, or its COMMIT when all it has are deferred
     statements, a write transaction holds no lock: a worker builds its batch while
     another process writes, and holds the lock for the batch's SQL alone."""
-    from workpool.store.sqlite.store import SqliteStore
-
-    path = str(tmp_path / "lazy.db")
-    holder, other = SqliteStore(path), SqliteStore(path)  # as two processes would
-    with holder.transaction() as tx:
-        tx.execute("CREATE TABLE t (who TEXT)")
+    holder, other = _two_stores_with_a_table(str(tmp_path / "lazy.db"))
     holding, release = threading.Event(), threading.Event()
 
     def hold() -> None:
