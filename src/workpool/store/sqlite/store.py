@@ -579,10 +579,11 @@ class SqliteStore(SqlStore):
     def _finish_succeeded_by_row(
         self, tx: Tx, items: Sequence[tuple[str, int, str, str, float]], now: float, worker_id: str
     ) -> Callable[[], list[str]]:
-        wanted = {item[0]: (item[1], item[2]) for item in items}
+        # By (id, attempt): a batch may hold a stale attempt's outcome beside the live one's.
+        wanted = {(item[0], item[1]): item[2] for item in items}
         live: list[tuple[str, str]] = []
         counted: list[tuple[str, float, float]] = []
-        for chunk in self.iter_chunks(sorted(storable(list(wanted))), IN_CHUNK):
+        for chunk in self.iter_chunks(storable(sorted({i[0] for i in items})), IN_CHUNK):
             marks = ", ".join("?" * len(chunk))
             rows = self.q(
                 tx,
@@ -590,8 +591,8 @@ class SqliteStore(SqlStore):
                 f" WHERE id IN ({marks}) AND state = 'running'",
                 chunk,
             ).fetchall()
-            rows = [r for r in rows if wanted[r[0]][0] == r[1]]
-            live += [(r[0], wanted[r[0]][1]) for r in rows]
+            rows = [r for r in rows if (r[0], r[1]) in wanted]
+            live += [(r[0], wanted[r[0], r[1]]) for r in rows]
             counted += [r[2:] for r in rows]
         self._count_successes(tx, worker_id, now, counted)
         self._executemany(
