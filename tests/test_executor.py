@@ -1,0 +1,138 @@
+"""The executor: a task waits only while every thread is busy, never for a thread start.
+
+Threads are started by the executor's spawner, so ``submit`` returns at once; each
+task that finds no idle thread still gets one of its own, up to the limit.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from workpool.runtime.executor import Executor
+
+
+def test_tasks_that_block_each_get_a_thread_up_to_the_limit():
+    executor = Executor(8)
+    gate = threading.Event()
+    # Each task waits at a barrier of eight parties: it lets them through only if
+    # all eight run at once (else it breaks after its timeout, and they raise).
+    barrier = threading.Barrier(8, timeout=10)
+    passed = []
+
+    def task() -> None:
+        barrier.wait()
+        passed.append(1)
+        gate.wait(10)
+
+    try:
+        for _ in range(8):
+            executor.submit(task)
+        deadline = time.monotonic() + 10
+        while len(passed) < 8 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert len(passed) == 8
+    finally:
+        gate.set()
+        executor.shutdown()
+
+
+def test_no_more_threads_than_the_limit_and_waiting_tasks_run_later():
+    executor = Executor(3)
+    gate = threading.Event()
+    done = []
+    lock = threading.Lock()
+
+    def task() -> None:
+        gate.wait(10)
+        with lock:
+            done.append(threading.current_thread().name)
+
+    try:
+        for _ in range(9):
+            executor.submit(task)
+        time.sleep(0.2)
+        assert len([t for t in threading.enumerate() if "-exec-" in t.name]) <= 3
+        assert done == []
+        gate.set()
+        deadline = time.monotonic() + 10
+        while len(done) < 9 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert len(done) == 9
+        assert len(set(done)) <= 3
+    finally:
+        gate.set()
+        executor.shutdown()
+
+
+def test_submit_does_not_wait_for_a_thread_to_start(monkeypatch):
+    started = threading.Event()
+    release = threading.Event()
+    real_start = threading.Thread.start
+
+    def slow_start(self: threading.Thread) -> None:
+        # A thread start that takes until the test releases it: submit must not wait.
+        if "-exec-" in self.name:
+            started.set()
+            release.wait(10)
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", slow_start)
+    executor = Executor(4)
+    ran = threading.Event()
+    try:
+        t0 = time.monotonic()
+        executor.submit(ran.set)
+        assert time.monotonic() - t0 < 5
+        assert started.wait(10)
+        assert not ran.is_set()
+        release.set()
+        assert ran.wait(10)
+    finally:
+        release.set()
+        executor.shutdown()
+
+
+def test_a_refused_thread_start_is_tried_again(monkeypatch):
+    refusals = [RuntimeError("can't start new thread")]
+    real_start = threading.Thread.start
+
+    def refusing_start(self: threading.Thread) -> None:
+        if "-exec-" in self.name and refusals:
+            raise refusals.pop()
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", refusing_start)
+    executor = Executor(2)
+    ran = threading.Event()
+    try:
+        executor.submit(ran.set)
+        assert ran.wait(10), "the task was lost with the refused thread"
+        assert refusals == []
+    finally:
+        executor.shutdown()
+
+
+@pytest.mark.parametrize("count", [1, 50])
+def test_every_quick_task_runs_once(count):
+    executor = Executor(800)
+    seen: list[int] = []
+    lock = threading.Lock()
+    all_done = threading.Event()
+
+    def task(i: int) -> None:
+        with lock:
+            seen.append(i)
+            if len(seen) == count:
+                all_done.set()
+
+    try:
+        for i in range(count):
+            executor.submit(lambda i=i: task(i))
+        assert all_done.wait(10)
+        time.sleep(0.05)
+        assert sorted(seen) == list(range(count))
+    finally:
+        executor.shutdown()
