@@ -731,3 +731,48 @@ def test_statements_of_handlers_in_the_pipelined_pass_keep_their_order_and_curso
         *((f"b{i}", "x") for i in range(3)),
         ("c", None),
     ]
+
+
+def test_handlers_that_each_insert_one_row_commit_once_and_a_bad_row_fails_alone(
+    app, rec: Recorder, user_table
+):
+    """A batch whose handlers each run the same one-row INSERT (on PostgreSQL they go
+    as the rows of a few statements): every good row lands once, in order, with its
+    own values, NULLs included; the handler whose row breaks a constraint is the one
+    recorded as failed, and the others commit once."""
+    from workpool.core.decide import Succeeded
+    from workpool.runtime.worker import Worker, WorkerOptions
+
+    @app.action(name="job")
+    def job() -> None:
+        pass
+
+    @app.mutation(name="insert_one")
+    def insert_one(tx, work_id, context, result):
+        user_table.insert(tx, None if context["bad"] else work_id, context["v"])
+
+    pool = app.pool("rows", max_parallelism=100)
+    ids = [
+        pool.enqueue_action(
+            job, on_complete=insert_one, context={"bad": i == 17, "v": None if i % 3 else str(i)}
+        )
+        for i in range(40)
+    ]
+    worker = Worker(app.store, app.registry, WorkerOptions(pools=["rows"]), clock=app.clock)
+    now = app.clock()
+    claimed = app.store.run(lambda tx: app.store.claim(tx, "rows", 100, worker.info.id, now))
+    assert len(claimed) == 40
+    worker._record([(work, Succeeded(None), 0.0) for work in claimed])  # one batch
+
+    good = [(wid, None if i % 3 else str(i)) for i, wid in enumerate(ids) if i != 17]
+    assert user_table.rows() == sorted(good, key=lambda r: (r[0], r[1] or ""))
+    for wid, _ in good:
+        assert pool.status(wid) == workpool.Finished(workpool.Success(None)), wid
+    status = pool.status(ids[17])
+    assert status.state == "running", "the failed handler waits for its retry"
+    with app.transaction() as tx:
+        failures = tx.execute(
+            f"SELECT handler_failures FROM {app.store.table_prefix}work WHERE id = {user_table.p}",
+            (ids[17],),
+        ).fetchone()[0]
+    assert failures == 1

@@ -500,3 +500,64 @@ def test_a_statement_held_in_a_pipeline_is_not_sent_after_its_transaction(
         store.run(body)
     with pytest.raises(RuntimeError, match="transaction ended before the cursor was used"):
         kept[0].fetchone()
+
+
+@pytest.mark.parametrize(
+    ("sql", "form"),
+    [
+        ("INSERT INTO t (k) VALUES (%s)", ("INSERT INTO t (k) VALUES ", "(%s)", 1)),
+        (
+            'insert into "s".t(k, v, at) values (%s, coalesce(%s, 1), now());',
+            ('insert into "s".t(k, v, at) values ', "(%s, coalesce(%s, 1), now())", 2),
+        ),
+        ("INSERT INTO t VALUES (%b, %t)", ("INSERT INTO t VALUES ", "(%b, %t)", 2)),
+        ("INSERT INTO t (k) VALUES (%s) RETURNING k", None),
+        ("INSERT INTO t (k) VALUES (%s) ON CONFLICT DO NOTHING", None),
+        ("INSERT INTO t (k) VALUES (%s), (%s)", None),
+        ("INSERT INTO t (k) VALUES (%s)) , ((%s)", None),
+        ("INSERT INTO t (k) VALUES (%(k)s)", None),
+        ("INSERT INTO t (k) VALUES ('%s')", None),
+        ("INSERT INTO t (k) VALUES (%s -- note\n)", None),
+        ("INSERT INTO t (k) VALUES (%s); DELETE FROM t", None),
+        ("INSERT INTO t (k) VALUES (%s || '%%')", None),
+        ("INSERT INTO t (k) SELECT %s", None),
+        ("UPDATE t SET k = %s", None),
+    ],
+)
+def test_only_a_plain_one_row_insert_is_sent_as_rows_of_one_statement(
+    pg_url: str, sql: str, form: tuple[str, str, int] | None
+) -> None:
+    from workpool.store.postgres.store import insert_rows_form
+
+    assert insert_rows_form(sql) == form
+
+
+def test_rows_of_one_insert_keep_their_values_types_and_order(pg_app: Any, pg_url: str) -> None:
+    """Held INSERTs sent as rows of statements of 2**k rows (300 = 256 + 32 + 8 + 4):
+    every row once, in order, each value cast to its own column as a one-row INSERT
+    would (integers of every size, NULLs, JSON); a statement with a row of another
+    width goes as it is."""
+    store = pg_app.store
+    schema = pg_schema_of(pg_url)
+    table = f'"{schema}".rows_{int(time.time() * 1000) % 100000}' if schema else "rows_t"
+    with pg_app.transaction() as tx:
+        if schema:
+            tx.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
+        tx.execute(f"CREATE TABLE {table} (n serial, k bigint, v text, j jsonb)")
+    values = [
+        (i * 10_000_000 if i % 7 == 0 else i, None if i % 5 == 0 else f"v{i}") for i in range(300)
+    ]
+
+    def body(tx: workpool.Tx) -> None:
+        with store.pipeline(tx):
+            for k, v in values:
+                tx.execute(
+                    f"INSERT INTO {table} (k, v, j) VALUES (%s, %s, %s::jsonb)",
+                    (k, v, json.dumps({"k": k})),
+                )
+
+    store.run(body)
+    with pg_app.transaction() as tx:
+        rows = tx.execute(f"SELECT k, v, j FROM {table} ORDER BY n").fetchall()
+    assert [(r[0], r[1]) for r in rows] == values
+    assert [r[2] for r in rows] == [{"k": k} for k, _ in values]

@@ -101,7 +101,7 @@ class Tx:
             if j == i + 1:
                 self.raw.execute(first.sql, first.params)
             else:
-                self.raw.cursor().executemany(first.sql, [h.params for h in held[i:j]])
+                self.store.send_rows(self.raw, first.sql, [h.params for h in held[i:j]])
             i = j
 
     def drop_held(self) -> None:
@@ -469,6 +469,12 @@ class Store(abc.ABC):
         assert tx.begin is not None
         tx.raw.execute(tx.begin)
         tx.begin = None
+
+    def send_rows(self, connection: Any, sql: str, rows: list[Any]) -> None:
+        """Send one statement text with each of ``rows`` of parameters, inside
+        ``pipeline`` (statements that ``Tx.execute`` held back, whose cursors nobody
+        holds): what they return is never read."""
+        connection.cursor().executemany(sql, rows)
 
     def pipeline(self, tx: Tx) -> AbstractContextManager[Any]:
         """Send statements without waiting for each answer.

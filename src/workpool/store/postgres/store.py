@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 import threading
@@ -95,6 +96,39 @@ def unnest(columns: Sequence[tuple[Sequence[Any], str]]) -> tuple[str, list[Any]
         exprs.append(expr)
         params.append(param)
     return f"unnest({', '.join(exprs)})", params
+
+
+# One row of an INSERT, as on_complete handlers often write: its VALUES hold
+# placeholders and plain expressions, with nothing to parse around (quotes,
+# comments, dollar quotes, a second statement) and nothing after them.
+_ONE_ROW_INSERT = re.compile(
+    r"\s*(INSERT\s+INTO\s+[\w.\"]+\s*(?:\([\w\s,.\"]*\)\s*)?VALUES\s*)(\([^'\";$]*\))\s*;?\s*",
+    re.IGNORECASE,
+)
+# Rows of such an INSERT go as one statement of 2**k rows at most: few texts,
+# each prepared once, and within PostgreSQL's 65,535 parameters.
+_ROWS_MAX = 512
+
+
+@functools.lru_cache(maxsize=64)
+def insert_rows_form(sql: str) -> tuple[str, str, int] | None:
+    """``sql`` as the head of a one-row INSERT (up to VALUES), its row, and the
+    row's count of placeholders; None for any other statement."""
+    match = _ONE_ROW_INSERT.fullmatch(sql)
+    if match is None:
+        return None
+    head, row = match.groups()
+    if "--" in row or "/*" in row:
+        return None
+    depth = 0
+    for k, char in enumerate(row):
+        depth += (char == "(") - (char == ")")
+        if depth == 0 and k < len(row) - 1:
+            return None  # more than one row already, or something after the row
+    marks = re.findall(r"%(.?)", row)
+    if any(mark not in ("s", "b", "t") for mark in marks):
+        return None  # %% or a named placeholder: left to psycopg's own parsing
+    return head, row, len(marks)
 
 
 def split_url(url: str) -> tuple[str, dict[str, str]]:
@@ -837,6 +871,23 @@ class PostgresStore(SqlStore):
             (pool, before, limit),
         )
         return int(cur.rowcount)
+
+    def send_rows(self, connection: Any, sql: str, rows: list[Any]) -> None:
+        # A handler's one-row INSERT, once per item of a batch: as rows of one
+        # statement, the server runs one INSERT instead of one per row, and psycopg
+        # binds their values without a message and a result for each.
+        form = insert_rows_form(sql)
+        if form is None or any(not isinstance(r, list | tuple) or len(r) != form[2] for r in rows):
+            super().send_rows(connection, sql, rows)
+            return
+        head, row, width = form
+        most = min(_ROWS_MAX, 65535 // max(width, 1))
+        i = 0
+        while i < len(rows):
+            n = 1 << (min(most, len(rows) - i).bit_length() - 1)
+            part = rows[i : i + n]
+            connection.execute(head + ", ".join([row] * n), [v for r in part for v in r])
+            i += n
 
     def _executemany(self, tx: Tx, sql: str, rows: list[tuple[Any, ...]]) -> None:
         with tx.connection.cursor() as cur:
