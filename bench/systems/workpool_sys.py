@@ -73,10 +73,10 @@ class _Workpool(System):
     has_on_complete = True
     notes = (
         "2 worker processes (`app.run_worker`, thread executor), concurrency 800 per process "
-        "for the drain and 400 otherwise (the best of 200/400/800 per workload: in round 18 "
-        "800 drained 3-25 % faster on both stores, on_complete level, retries slower), "
-        "max_parallelism 100000 unless "
-        "the workload sets a limit; batches via enqueue_action_batch"
+        "(the best of 200/400/800: in round 18 800 drained 3-25 % faster on both stores; in "
+        "round 19, with threads started off the completer's path, on_complete and retries "
+        "too), max_parallelism 100000 unless the workload sets a limit; batches via "
+        "enqueue_action_batch"
     )
 
     def url(self) -> str:
@@ -144,8 +144,7 @@ class _Workpool(System):
         if w == "limit":
             return 2, dict(cfg, concurrency=self.spec["limit"])
         procs = int(os.environ.get("BENCH_WP_PROCS", "2"))
-        best = 800 if w == "drain" else 400
-        return procs, dict(cfg, concurrency=int(os.environ.get("BENCH_WP_CONCURRENCY", best)))
+        return procs, dict(cfg, concurrency=int(os.environ.get("BENCH_WP_CONCURRENCY", "800")))
 
     def teardown(self) -> None:
         with contextlib.suppress(Exception):
