@@ -136,3 +136,28 @@ def test_every_quick_task_runs_once(count):
         assert sorted(seen) == list(range(count))
     finally:
         executor.shutdown()
+
+
+def test_warm_threads_take_the_first_tasks_without_a_thread_start():
+    executor = Executor(10)
+    gate = threading.Event()
+    running = []
+    try:
+        executor.warm(3)
+        deadline = time.monotonic() + 10
+        while executor.threads() < 3 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(0.05)  # their tokens are put
+        for _ in range(3):
+            executor.submit(lambda: (running.append(1), gate.wait(10)))
+        while len(running) < 3 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert len(running) == 3
+        assert executor.threads() == 3, "a warm thread was idle for each task"
+        executor.submit(lambda: (running.append(1), gate.wait(10)))
+        while len(running) < 4 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert executor.threads() == 4, "the fourth task, with none idle, got a thread"
+    finally:
+        gate.set()
+        executor.shutdown()

@@ -41,7 +41,8 @@ class Executor:
         # Semaphore, which a short task would pay twice.)
         self._idle: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._grow_lock = threading.Lock()
-        # One entry per task that found no idle thread (None: stop); see _spawn.
+        # What the spawner is asked for (see _spawn): a thread for a task that found
+        # none idle (True), an idle thread ahead of any task (False), or to stop (None).
         self._wanted: queue.SimpleQueue[bool | None] = queue.SimpleQueue()
         self._spawner: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -49,7 +50,9 @@ class Executor:
         self._loop_lock = threading.Lock()
         self._name = name
 
-    def _serve(self) -> None:
+    def _serve(self, idle: bool) -> None:
+        if idle:
+            self._idle.put(None)
         while True:
             task = self._tasks.get()
             if task is None:
@@ -71,6 +74,16 @@ class Executor:
         except queue.Empty:
             pass
         self._wanted.put(True)
+        self._start_spawner()
+
+    def warm(self, count: int) -> None:
+        """Have up to ``count`` threads wait for tasks before any comes: the first
+        tasks of a new worker then start at once, not after a thread start each."""
+        for _ in range(min(count, self._max)):
+            self._wanted.put(False)
+        self._start_spawner()
+
+    def _start_spawner(self) -> None:
         if self._spawner is None:
             with self._grow_lock:
                 if self._spawner is None:
@@ -84,17 +97,21 @@ class Executor:
         that a thread put meanwhile (it is idle, or it took that very task, and the
         token would otherwise promise a thread that is busy), else a new thread."""
         backoff = 0.0
-        while self._wanted.get():
-            try:
-                self._idle.get_nowait()
-                continue
-            except queue.Empty:
-                pass
+        while (for_task := self._wanted.get()) is not None:
+            if for_task:
+                try:
+                    self._idle.get_nowait()
+                    continue
+                except queue.Empty:
+                    pass
             with self._grow_lock:
                 if len(self._threads) >= self._max:
                     continue
                 thread = threading.Thread(
-                    target=self._serve, name=f"{self._name}-exec-{len(self._threads)}", daemon=True
+                    target=self._serve,
+                    args=(not for_task,),
+                    name=f"{self._name}-exec-{len(self._threads)}",
+                    daemon=True,
                 )
                 self._threads.append(thread)
             try:
@@ -111,7 +128,12 @@ class Executor:
                     "thread_start_failed", 40, error=describe_error(exc), retry_in=backoff
                 )
                 time.sleep(backoff)
-                self._wanted.put(True)
+                self._wanted.put(for_task)
+
+    def threads(self) -> int:
+        """How many threads have been started (they never exit before ``shutdown``)."""
+        with self._grow_lock:
+            return len(self._threads)
 
     def submit_async(self, coros: list[Coroutine[Any, Any, None]]) -> None:
         """Start coroutines on the loop thread: one cross-thread wake-up per batch."""
