@@ -102,6 +102,25 @@ def cpu_busy(seconds: float) -> float | None:
     return (busy1 - busy0) / max(all1 - all0, 1)
 
 
+QUIET_BUSY = 0.15  # a trial starts once the CPUs were this idle for QUIET_WINDOW_S ...
+QUIET_WINDOW_S = 0.5
+QUIET_MAX_S = 15.0  # ... or after this long: a machine that never quiets still gets measured
+
+
+def settle(postgres: bool = True) -> tuple[float, float | None]:
+    """Let the previous trial's after-effects pass before the next one starts: a
+    PostgreSQL checkpoint, then a wait for quiet CPUs. Without it a trial could run
+    beside a late checkpoint or the exit of the last trial's processes, and the
+    noise lands on whichever system comes next. (seconds waited, last busy share)"""
+    t = time.monotonic()
+    if postgres:
+        pg_checkpoint()
+    busy = cpu_busy(QUIET_WINDOW_S)
+    while busy is not None and busy > QUIET_BUSY and time.monotonic() - t < QUIET_MAX_S:
+        busy = cpu_busy(QUIET_WINDOW_S)
+    return time.monotonic() - t, busy
+
+
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU of a process, all its threads (0 once it is gone)."""
     try:

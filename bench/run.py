@@ -18,7 +18,13 @@ import sys
 import time
 from typing import Any
 
-from common import BENCH_DIR, cpu_busy, pg_available, pg_checkpoint, pg_drop_stale
+from common import (
+    BENCH_DIR,
+    QUIET_BUSY,
+    pg_available,
+    pg_drop_stale,
+    settle,
+)
 from report import build_summary, plot, print_report, versions
 from systems import SYSTEMS, system_class
 
@@ -59,8 +65,9 @@ GROUPS = {
 }
 # The idle worker runs in its latency configuration: what that latency costs at rest.
 BASE = {"scale_small": "scale", "scale_large": "scale", "idle": "latency"}
-# Slow workloads run once per run unless --repeat-scale says otherwise: scale fills
-# a million rows, idle waits 13 s per system.
+# Slow workloads run --repeat-scale times (3 by default, as the rest; 1 until round
+# 19, when single runs of scale swung by tens of per cent): scale fills a million
+# rows, idle waits 13 s per system.
 SINGLE = {"scale_small", "scale_large", "idle"}
 
 
@@ -84,25 +91,6 @@ def trial_timeout(workload: str, params: dict[str, Any]) -> float:
     if workload.startswith("scale"):
         return 300.0
     return 240.0
-
-
-QUIET_BUSY = 0.15  # a trial starts once the CPUs were this idle for QUIET_WINDOW_S ...
-QUIET_WINDOW_S = 0.5
-QUIET_MAX_S = 15.0  # ... or after this long: a machine that never quiets still gets measured
-
-
-def settle(postgres: bool) -> tuple[float, float | None]:
-    """Let the previous trial's after-effects pass before the next one starts: a
-    PostgreSQL checkpoint, then a wait for quiet CPUs. Without it a trial could run
-    beside a late checkpoint or the exit of the last trial's processes, and the
-    noise lands on whichever system comes next. (seconds waited, last busy share)"""
-    t = time.monotonic()
-    if postgres:
-        pg_checkpoint()
-    busy = cpu_busy(QUIET_WINDOW_S)
-    while busy is not None and busy > QUIET_BUSY and time.monotonic() - t < QUIET_MAX_S:
-        busy = cpu_busy(QUIET_WINDOW_S)
-    return time.monotonic() - t, busy
 
 
 def settle_summary(trials: list[dict[str, Any]]) -> dict[str, Any]:
@@ -189,7 +177,7 @@ def main() -> None:
     ap.add_argument(
         "--repeat-scale",
         type=int,
-        default=1,
+        default=3,
         help="repetitions of the slow workloads (scale, idle)",
     )
     ap.add_argument("--out", default=str(BENCH_DIR / "results"), help="results directory")
