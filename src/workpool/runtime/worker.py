@@ -42,10 +42,11 @@ _PAUSED = PoolConfig("", max_parallelism=0)
 CLAIM_BATCH = 512  # attempts claimed per pool per transaction: bounds claim latency
 COMPLETE_BATCH = 512  # action outcomes per transaction: group commit
 IDLE_POLL_S = 1.0  # longest sleep without a wake-up: covers missed notifications
-# Executor threads started with the worker, before its first claim: that claim's
-# first attempts start at once rather than each after a thread start (on SQLite a
-# claim's first attempt began 6 ms after the claim, behind the next claim).
-WARM_THREADS = 8
+# Executor threads started with the worker, idle before its first claim: that
+# claim's first attempt starts at once, not after a thread start (on SQLite it began
+# 6 ms after the claim, behind the next claim; now 1 ms). Only one: a worker starts
+# no more threads than its work needs, and any work needs one.
+WARM_THREADS = 1
 # How stale the configs a claim goes by may be (new, paused or resumed pools; log
 # levels). Limits are not among them: each claim reads its pool's under the lock.
 CONFIG_READ_S = 0.1
