@@ -209,6 +209,19 @@ def pg_schema_of(url: str) -> str | None:
     return dict(parse_qsl(urlsplit(url).query)).get("schema")
 
 
+def create_table(app: Any, url: str, name: str, columns: str) -> str:
+    """A user table in the store's database, in the test's schema on PostgreSQL (so
+    teardown drops it too; the App creates the schema, so create it lazily): its
+    qualified name."""
+    schema = pg_schema_of(url)
+    qualified = f'"{schema}".{name}' if schema else name
+    with app.transaction() as tx:
+        if schema:
+            tx.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
+        tx.execute(f"CREATE TABLE {qualified} ({columns})")
+    return qualified
+
+
 @pytest.fixture
 def app(store_url: str) -> Iterator[Any]:
     import workpool
@@ -345,16 +358,11 @@ class UserTable:
         self.app = app
         self.url = url
         self.p = ph(url)
-        schema = pg_schema_of(url)
-        # PostgreSQL: put the table in the test's schema so teardown drops it too; the
-        # schema is created by the App, so create the table lazily after App start.
-        self.name = f'"{schema}".{name}' if schema else name
+        self.bare_name = name
+        self.name = name
 
     def create(self) -> UserTable:
-        with self.app.transaction() as tx:
-            if pg_schema_of(self.url):
-                tx.execute(f'CREATE SCHEMA IF NOT EXISTS "{pg_schema_of(self.url)}"')
-            tx.execute(f"CREATE TABLE {self.name} (k TEXT NOT NULL, v TEXT)")
+        self.name = create_table(self.app, self.url, self.bare_name, "k TEXT NOT NULL, v TEXT")
         return self
 
     def insert(self, tx: Any, k: str, v: str | None = None) -> None:

@@ -20,6 +20,7 @@ from conftest import (
     UserTable,
     assert_pool_empty,
     background_worker,
+    create_table,
     pg_schema_of,
     run_until_idle,
     wait_for,
@@ -56,13 +57,8 @@ def test_a_failing_mutation_takes_back_only_its_own_writes(app, user_table: User
 
 
 def test_a_database_error_fails_only_its_own_mutation(app, store_url, rec: Recorder):
-    schema = pg_schema_of(store_url)
-    table = f'"{schema}".uniq' if schema else "uniq"
-    p = "%s" if schema else "?"
-    with app.transaction() as tx:
-        if schema:
-            tx.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
-        tx.execute(f"CREATE TABLE {table} (k INTEGER PRIMARY KEY)")
+    table = create_table(app, store_url, "uniq", "k INTEGER PRIMARY KEY")
+    p = "%s" if pg_schema_of(store_url) else "?"
 
     @app.mutation(name="insert_key")
     def insert_key(tx, k: int) -> None:
@@ -156,13 +152,12 @@ def test_a_batch_that_cannot_commit_still_commits_the_good_calls(app, store_url,
     schema = pg_schema_of(store_url)
     if schema is None:
         pytest.skip("SQLite checks UNIQUE at once; only PostgreSQL can defer it to COMMIT")
-    table = f'"{schema}".deferred'
-    with app.transaction() as tx:
-        tx.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
-        tx.execute(
-            f"CREATE TABLE {table} (k INTEGER,"
-            " CONSTRAINT one_k UNIQUE (k) DEFERRABLE INITIALLY DEFERRED)"
-        )
+    table = create_table(
+        app,
+        store_url,
+        "deferred",
+        "k INTEGER, CONSTRAINT one_k UNIQUE (k) DEFERRABLE INITIALLY DEFERRED",
+    )
 
     @app.mutation(name="insert_twice")
     def insert_twice(tx, k: int, twice: bool) -> None:

@@ -11,7 +11,7 @@ import psycopg
 import pytest
 
 import workpool
-from conftest import background_worker, pg_schema_of, run_until_idle, wait_for
+from conftest import background_worker, create_table, pg_schema_of, run_until_idle, wait_for
 
 pytestmark = pytest.mark.parametrize("store_url", ["postgres"], indirect=True)
 
@@ -535,15 +535,9 @@ def test_only_a_plain_one_row_insert_is_sent_as_rows_of_one_statement(
 def test_rows_of_one_insert_keep_their_values_types_and_order(pg_app: Any, pg_url: str) -> None:
     """Held INSERTs sent as rows of statements of 2**k rows (300 = 256 + 32 + 8 + 4):
     every row once, in order, each value cast to its own column as a one-row INSERT
-    would (integers of every size, NULLs, JSON); a statement with a row of another
-    width goes as it is."""
+    would (integers of every size, NULLs, JSON)."""
     store = pg_app.store
-    schema = pg_schema_of(pg_url)
-    table = f'"{schema}".rows_{int(time.time() * 1000) % 100000}' if schema else "rows_t"
-    with pg_app.transaction() as tx:
-        if schema:
-            tx.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
-        tx.execute(f"CREATE TABLE {table} (n serial, k bigint, v text, j jsonb)")
+    table = create_table(pg_app, pg_url, "rows_t", "n serial, k bigint, v text, j jsonb")
     values = [
         (i * 10_000_000 if i % 7 == 0 else i, None if i % 5 == 0 else f"v{i}") for i in range(300)
     ]

@@ -22,6 +22,7 @@ from conftest import (
     WorkerThread,
     assert_pool_empty,
     background_worker,
+    create_table,
     holds_for,
     pg_schema_of,
     run_until_idle,
@@ -94,11 +95,10 @@ def test_conflicting_mutations_are_retried_transparently(app, store_url, rec: Re
     each deadlock; workpool must retry it, not fail it, and still apply it once."""
     p = "?" if store_kind(store_url) == "sqlite" else "%s"
     schema = pg_schema_of(store_url)
-    name = f'"{schema}".accounts' if schema else "accounts"
+    name = create_table(
+        app, store_url, "accounts", "id INTEGER PRIMARY KEY, balance INTEGER NOT NULL"
+    )
     with app.transaction() as tx:
-        if schema:
-            tx.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
-        tx.execute(f"CREATE TABLE {name} (id INTEGER PRIMARY KEY, balance INTEGER NOT NULL)")
         tx.execute(f"INSERT INTO {name} (id, balance) VALUES (1, 0)")
         tx.execute(f"INSERT INTO {name} (id, balance) VALUES (2, 0)")
 
