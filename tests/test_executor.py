@@ -161,3 +161,32 @@ def test_warm_threads_take_the_first_tasks_without_a_thread_start():
     finally:
         gate.set()
         executor.shutdown()
+
+
+def test_no_thread_starts_after_shutdown(monkeypatch):
+    """Requests the spawner had not served when the executor shut down start no
+    thread: one would wait for a task forever, a thread lost for each worker run."""
+    entered = threading.Event()
+    release = threading.Event()
+    real_start = threading.Thread.start
+
+    def slow_start(self: threading.Thread) -> None:
+        if "-exec-" in self.name:
+            entered.set()
+            release.wait(10)
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", slow_start)
+    executor = Executor(4)
+    gate = threading.Event()
+    try:
+        executor.submit(lambda: gate.wait(10))
+        executor.submit(lambda: gate.wait(10))
+        assert entered.wait(10)  # the spawner is starting the first thread
+        executor.shutdown()
+        release.set()
+        time.sleep(0.2)
+        assert executor.threads() == 1
+    finally:
+        release.set()
+        gate.set()

@@ -37,7 +37,7 @@ class Executor:
         self._max = threads
         self._threads: list[threading.Thread] = []
         # One token per thread that finished a task and waits for the next; a
-        # submit takes one, or starts a thread. (A SimpleQueue: cheaper than a
+        # submit takes one, or asks the spawner. (A SimpleQueue: cheaper than a
         # Semaphore, which a short task would pay twice.)
         self._idle: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._grow_lock = threading.Lock()
@@ -45,6 +45,7 @@ class Executor:
         # none idle (True), an idle thread ahead of any task (False), or to stop (None).
         self._wanted: queue.SimpleQueue[bool | None] = queue.SimpleQueue()
         self._spawner: threading.Thread | None = None
+        self._closed = False  # shut down: the spawner starts no more threads
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks_alive: set[asyncio.Task[None]] = set()
         self._loop_lock = threading.Lock()
@@ -105,7 +106,7 @@ class Executor:
                 except queue.Empty:
                     pass
             with self._grow_lock:
-                if len(self._threads) >= self._max:
+                if self._closed or len(self._threads) >= self._max:
                     continue
                 thread = threading.Thread(
                     target=self._serve,
@@ -157,6 +158,7 @@ class Executor:
 
     def shutdown(self) -> None:
         with self._grow_lock:
+            self._closed = True
             for _ in self._threads:
                 self._tasks.put(None)
             self._wanted.put(None)
