@@ -16,6 +16,7 @@ import workpool
 from conftest import run_until_idle
 from workpool.core.ids import new_work_ids
 from workpool.core.results import success_json
+from workpool.pool import STREAM_CHUNK
 from workpool.store.base import NewWork
 
 ODD_TEXT = 'quote " backslash \\ newline \n é 雪 \u2028 {"not": "json"}'
@@ -149,3 +150,75 @@ def test_outcomes_with_on_complete_are_finished_alike_with_or_without_json(sqlit
             assert status.result == workpool.Success(i)
     stats = pool.stats()
     assert (stats.succeeded, stats.failed, stats.canceled) == (15, 6, 3)
+
+
+# A batch bigger than one statement's chunk (PostgreSQL streams it: each chunk is
+# checked and built while the server inserts the one before).
+BIG = STREAM_CHUNK * 3 + 7
+
+
+def _stored(app) -> int:
+    return app.pool("big").stats().backlog
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [
+        ({"x": object()}, workpool.InvalidTypeError),
+        ({"not-a-name": 1}, workpool.InvalidArgumentError),
+    ],
+)
+def test_a_big_batch_with_a_bad_item_in_its_last_chunk_stores_nothing(app, bad, error):
+    @app.action(name="noop")
+    def noop(i: int = 0, **_: object) -> None:
+        pass
+
+    pool = app.pool("big")
+    pool.enqueue_action(noop, {"i": -1})  # the Pool now knows the stored config
+    args = [{"i": i} for i in range(BIG)]
+    args[-2] = bad
+    with pytest.raises(error):
+        pool.enqueue_action_batch(noop, args)
+    assert _stored(app) == 1
+    ids = pool.enqueue_action_batch(noop, args[:-2])
+    assert len(set(ids)) == BIG - 2
+    assert _stored(app) == BIG - 1
+
+
+@pytest.mark.parametrize("when", ["before", "between"])
+def test_a_big_batch_meets_a_config_change(app, store_url, when):
+    @app.action(name="noop")
+    def noop(i: int) -> None:
+        pass
+
+    pool = app.pool("big", max_parallelism=3)
+    pool.enqueue_action(noop, {"i": -1})
+    store = app.store
+    if when == "between" and not store.streams_inserts:
+        pytest.skip("SQLite: a batch's transaction holds the one write lock throughout")
+    other = workpool.App(store_url)
+    insert_work_if = store.insert_work_if
+    calls = 0
+
+    def then_reconfigure(*args, **kwargs):
+        # Another process changes the pool's config after the first chunk went out.
+        nonlocal calls
+        calls += 1
+        answer = insert_work_if(*args, **kwargs)
+        if calls == 1:
+            other.pool("big").configure(max_parallelism=5)
+        return answer
+
+    if when == "before":
+        other.pool("big").configure(max_parallelism=5)
+    else:
+        store.insert_work_if = then_reconfigure
+    try:
+        ids = pool.enqueue_action_batch(noop, [{"i": i} for i in range(BIG)])
+    finally:
+        store.__dict__.pop("insert_work_if", None)
+        other.close()
+    assert len(set(ids)) == BIG
+    assert _stored(app) == BIG + 1  # each item once: the chunks before the change too
+    assert [pool.status(i).state for i in (ids[0], ids[-1])] == ["pending", "pending"]
+    assert pool._known is not None and pool._known.max_parallelism == 5

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import suppress
 from dataclasses import replace
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
@@ -45,6 +46,9 @@ CANCEL_PAGE = 64  # items canceled per transaction by cancel_all
 # batch of 1M held all its rows, statements and parameters at once (0.6-0.8 GB on
 # top of the caller's own list).
 ENQUEUE_CHUNK = 10_000
+# Rows a statement of a streamed batch holds (see Store.streams_inserts): the server
+# inserts one while the next is checked and built.
+STREAM_CHUNK = 250
 CLIENT_ID = "client"  # worker id under which client-side cancels are counted
 
 
@@ -351,7 +355,8 @@ class Pool:
         timeout: object,
         tx: object,
     ) -> list[str]:
-        # Everything is checked before the first write: bad input changes nothing.
+        # Bad input changes nothing: it is checked before the first write, or (args of
+        # a streamed batch) rolls back the writes before it.
         registry = self.app.registry
         spec = registry.lookup(fn, kind)
         handler = None
@@ -363,15 +368,19 @@ class Pool:
         if kind == "action":
             resolve_retry(retry, default=RetryBehavior(), retry_by_default=False)
         timeout_s = check_timeout(timeout)
-        payloads = [encode_json(check_args(args), "args") for args in args_list]
+        store = self.app.store
+        # A batch in a transaction of its own, to a store that overlaps the two, is
+        # checked and built chunk by chunk while the server inserts the chunk before.
+        stream = tx is None and store.streams_inserts and len(args_list) > STREAM_CHUNK
+        payloads = [] if stream else _payloads(args_list)
         now = self.app.clock()
         due_at = resolve_due_at(run_at, run_after, now)
-        ids = new_work_ids(len(payloads))
+        ids = new_work_ids(len(args_list))
         # An enqueue in a transaction of its own may send its insert with the COMMIT;
         # in the caller's transaction the rows must be there for what follows.
         alone = tx is None
 
-        def items(config: PoolConfig, start: int) -> list[NewWork]:
+        def made(config: PoolConfig, start: int, texts: list[str]) -> list[NewWork]:
             behavior = None
             if kind == "action":
                 behavior = resolve_retry(
@@ -379,7 +388,6 @@ class Pool:
                     default=config.default_retry,
                     retry_by_default=config.retry_actions_by_default,
                 )
-            end = start + ENQUEUE_CHUNK
             return [
                 NewWork(
                     id=work_id,
@@ -394,8 +402,35 @@ class Pool:
                     due_at=due_at,
                     enqueued_at=now,
                 )
-                for work_id, payload in zip(ids[start:end], payloads[start:end], strict=True)
+                for work_id, payload in zip(ids[start:], texts, strict=False)
             ]
+
+        def items(config: PoolConfig, start: int) -> list[NewWork]:
+            return made(config, start, payloads[start : start + ENQUEUE_CHUNK])
+
+        def streamed(tx: Tx, read: bool = False) -> Callable[[], PoolConfig | None]:
+            known = None if read else self._known
+            config = self._config(tx) if known is None else known
+            answers = []
+            with store.pipeline(tx):
+                for start in range(0, len(ids), STREAM_CHUNK):
+                    chunk = made(config, start, _payloads(args_list[start : start + STREAM_CHUNK]))
+                    if known is None:
+                        store.insert_work(tx, chunk, at_commit=False)
+                    else:
+                        answers.append(
+                            store.insert_work_if(
+                                tx, chunk, known, notify=start == 0, at_commit=False
+                            )
+                        )
+                if known is None:
+                    store.notify(tx, [self.name])
+            same = [answer() for answer in answers]
+            if all(same):
+                return lambda: config
+            if any(same):  # the config changed between two chunks: insert none of them
+                raise _StaleConfig
+            return lambda: None
 
         def body(tx: Tx, read: bool = False) -> Callable[[], PoolConfig | None]:
             known = None if read else self._known
@@ -419,10 +454,16 @@ class Pool:
             store.notify(tx, [self.name])
             return lambda: config
 
-        store = self.app.store
-        got = self.app.run(body, tx=tx)()
-        if got is None:  # the stored config changed since this Pool last saw it
-            got = self.app.run(lambda t: body(t, read=True), tx=tx)()
+        if stream:
+            got: PoolConfig | None = None
+            with suppress(_StaleConfig):
+                got = self.app.run(streamed)()
+            if got is None:  # the stored config changed since this Pool last saw it
+                got = self.app.run(lambda t: streamed(t, read=True))()
+        else:
+            got = self.app.run(body, tx=tx)()
+            if got is None:
+                got = self.app.run(lambda t: body(t, read=True), tx=tx)()
         assert got is not None  # a run that reads the config always answers it
         # Kept even from the caller's transaction, which may roll back: every insert
         # made with it checks it against the stored config.
@@ -571,3 +612,12 @@ def _check_ids(work_ids: object) -> list[str]:
         if not isinstance(work_id, str):
             raise InvalidTypeError(f"a work id must be a str, got {show(work_id)}")
     return list(work_ids)
+
+
+def _payloads(args_list: Sequence[Any]) -> list[str]:
+    """Each args dict checked and serialised."""
+    return [encode_json(check_args(args), "args") for args in args_list]
+
+
+class _StaleConfig(Exception):
+    """A streamed batch met two pool configs: its transaction rolls back whole."""

@@ -420,6 +420,11 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None: ...
 
+    # Whether statements sent in a pipeline run on the server while the client goes
+    # on (PostgreSQL): a big enqueue then builds each chunk while the one before is
+    # inserted (a batch of 1,000: 83-90k -> ...k jobs/s).
+    streams_inserts: bool = False
+
     # A claim takes a lock that every writer needs (SQLite's single write lock), so
     # a worker whose last claim found nothing reads claimable() before the next.
     look_before_claim: bool = False

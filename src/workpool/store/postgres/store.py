@@ -177,6 +177,7 @@ class PostgresStore(SqlStore):
     for_update = " FOR UPDATE"
     skip_locked = " FOR UPDATE SKIP LOCKED"
     savepoints_cost = True  # SAVEPOINT and RELEASE: a round trip each
+    streams_inserts = True
     PAYLOAD_SQL: ClassVar[dict[str, str]] = {
         "{args_w}": "w.args",
         "{args_f}": "f.args",
@@ -630,8 +631,9 @@ class PostgresStore(SqlStore):
             answer = " SELECT same, (SELECT count(*) FROM woken) FROM ok"
             params += [self.channel, config.name]
         if not at_commit:
-            (same, *_) = self._x(tx, sql + answer, params).fetchone()
-            return lambda: bool(same)
+            # Read when first asked: inside a pipeline, after its end.
+            cursor = self._x(tx, sql + answer, params)
+            return functools.cache(lambda: bool(cursor.fetchone()[0]))
         check = tx.defer(sql + answer, params, rows=True, alone=notify)
         return lambda: bool(check.rows[0][0])
 
