@@ -20,7 +20,7 @@ from workpool.core.results import (
     WorkInfo,
     result_from_json,
 )
-from workpool.core.retry import RetryBehavior, resolve_retry
+from workpool.core.retry import DEFAULT_RETRY, RetryBehavior, resolve_retry
 from workpool.core.validation import (
     check_args,
     check_int,
@@ -366,7 +366,7 @@ class Pool:
         checked_context = encode_json(context, "context")
         context_json = checked_context if handler is not None else None
         if kind == "action":
-            resolve_retry(retry, default=RetryBehavior(), retry_by_default=False)
+            resolve_retry(retry, default=DEFAULT_RETRY, retry_by_default=False)
         timeout_s = check_timeout(timeout)
         store = self.app.store
         # A batch in a transaction of its own, to a store that overlaps the two, is
