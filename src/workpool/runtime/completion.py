@@ -274,22 +274,25 @@ class Completion:
         Whatever the row holds (retry policy, cancel flag), success finishes the
         work, so it is finished by a compare-and-set on (state, attempt) without
         reading the rows first; the store counts the ones that took. Only the rows
-        with a handler are read (and locked) first, for the handler and its context.
-        Their slots count as freed in ``changes`` (a stale one frees none: at worst a
-        needless wake-up). Calling the result, after the COMMIT, logs the ones that
-        took.
+        with a handler are read (and locked), for the handler and its context, and
+        only a row still running that attempt runs its handler. Their slots count as
+        freed in ``changes`` (a stale one frees none: at worst a needless wake-up).
+        Calling the result, after the COMMIT, logs the ones that took.
         """
-        handled = [(w.id, w.attempt) for w, _, _ in batch if w.has_on_complete]
-        if handled:
-            batch = self._run_handlers(tx, batch, handled)
         # Sorted: rows are locked in one global order, as everywhere else.
         items = sorted(
             (w.id, w.attempt, _success_json(o), w.pool, max(w.started_at - w.due_at, 0.0))
             for w, o, _ in batch
         )
+        # The finish waits for the COMMIT, after the handlers' statements, so it is
+        # built before them: on SQLite their locked read takes the write lock, which
+        # every other writer waits for while this Python would run.
         finished = self.store.finish_succeeded(tx, items, now, worker_id)
         for pool, count in Counter(work.pool for work, _, _ in batch).items():
             changes.direct[pool] = changes.direct.get(pool, 0) + count
+        handled = [(w.id, w.attempt) for w, _, _ in batch if w.has_on_complete]
+        if handled:
+            self._run_handlers(tx, batch, handled)
         return lambda: self._log_succeeded(batch, finished)
 
     def _run_handlers(
@@ -297,24 +300,19 @@ class Completion:
         tx: Tx,
         batch: Sequence[tuple[ClaimedWork, Succeeded, float]],
         handled: list[tuple[str, int]],
-    ) -> list[tuple[ClaimedWork, Succeeded, float]]:
-        """Call the on_complete of each success in ``batch`` that has one, without a
-        savepoint (the caller's pass is optimistic: the first that raises aborts the
-        transaction); ``batch`` without the stale ones, whose handlers do not run."""
+    ) -> None:
+        """Call the on_complete of each success in ``batch`` that has one and is
+        still running its attempt, without a savepoint (the caller's pass is
+        optimistic: the first that raises aborts the transaction)."""
         live = self.store.running_handlers(tx, handled)
-        kept = []
-        for item in batch:
-            work, outcome, _ = item
-            if work.has_on_complete:
-                found = live.get(work.id)
-                if found is None:
-                    continue  # rescued or canceled meanwhile: not ours to finish
-                on_complete, context = found
-                self._run_handler(
-                    tx, work.id, on_complete, context, Success(outcome.value), optimistic=True
-                )
-            kept.append(item)
-        return kept
+        for work, outcome, _ in batch:
+            found = live.get((work.id, work.attempt)) if work.has_on_complete else None
+            if found is None:
+                continue  # no handler, or rescued or canceled meanwhile: not ours to finish
+            on_complete, context = found
+            self._run_handler(
+                tx, work.id, on_complete, context, Success(outcome.value), optimistic=True
+            )
 
     def _log_succeeded(
         self,

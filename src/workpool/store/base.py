@@ -626,16 +626,19 @@ class Store(abc.ABC):
     ) -> Callable[[], list[str]]:
         """running -> finished for (id, attempt, result JSON, pool, start lag) without
         reading the rows first, each counted as a success with its start lag in
-        ``worker_id``'s counters of the minute. Calling the result after ``tx``
-        committed gives the ids that were still running that attempt (the others are
-        stale, and not counted)."""
+        ``worker_id``'s counters of the minute. Its statements wait for the COMMIT
+        (``Tx.defer``): whatever ``tx`` does after this call sees the rows still
+        running (the completer runs on_complete handlers then). Calling the result
+        after ``tx`` committed gives the ids that were still running that attempt
+        (the others are stale, and not counted)."""
 
     @abc.abstractmethod
     def running_handlers(
         self, tx: Tx, items: Sequence[tuple[str, int]]
-    ) -> dict[str, tuple[str, str | None]]:
+    ) -> dict[tuple[str, int], tuple[str, str | None]]:
         """For (id, attempt) pairs: the on_complete and stored context of each row
-        still running that attempt with an on_complete, by id, locked as
+        still running that attempt with an on_complete, by the pair (a stale
+        attempt's pair, beside its id's live one, finds nothing), locked as
         ``load_many_for_update`` locks them."""
 
     @abc.abstractmethod

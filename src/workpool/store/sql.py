@@ -442,12 +442,12 @@ class SqlStore(SqlReads, Store):
 
     def running_handlers(
         self, tx: Tx, items: Sequence[tuple[str, int]]
-    ) -> dict[str, tuple[str, str | None]]:
-        wanted = dict(items)
-        found: dict[str, tuple[str, str | None]] = {}
+    ) -> dict[tuple[str, int], tuple[str, str | None]]:
+        wanted = set(items)  # an id may come with a stale attempt beside its live one
+        found: dict[tuple[str, int], tuple[str, str | None]] = {}
         # The rows are locked as load_many_for_update locks them, in id order; state and
         # attempt are checked here rather than in the statement, as there.
-        for chunk in self._id_chunks(sorted(storable(list(wanted)))):
+        for chunk in self._id_chunks(sorted(storable(list({i for i, _ in wanted})))):
             match, params = self._id_in("w.id", chunk)
             rows = self.q(
                 tx,
@@ -456,8 +456,8 @@ class SqlStore(SqlReads, Store):
                 params,
             ).fetchall()
             for work_id, state, attempt, on_complete, context in rows:
-                if state == "running" and attempt == wanted[work_id] and on_complete is not None:
-                    found[work_id] = (on_complete, context)
+                if state == "running" and (work_id, attempt) in wanted and on_complete is not None:
+                    found[work_id, attempt] = (on_complete, context)
         return found
 
     def retry_many(self, tx: Tx, items: Sequence[Retrying], *, at_commit: bool = False) -> None:

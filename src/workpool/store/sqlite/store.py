@@ -581,34 +581,42 @@ class SqliteStore(SqlStore):
     ) -> Callable[[], list[str]]:
         # By (id, attempt): a batch may hold a stale attempt's outcome beside the live one's.
         wanted = {(item[0], item[1]): item[2] for item in items}
-        live: list[tuple[str, str]] = []
-        counted: list[tuple[str, float, float]] = []
-        for chunk in self.iter_chunks(storable(sorted({i[0] for i in items})), IN_CHUNK):
-            marks = ", ".join("?" * len(chunk))
-            rows = self.q(
+        done: list[str] = []
+
+        def finish(conn: sqlite3.Connection) -> None:  # with the COMMIT, as the JSON path
+            live: list[tuple[str, str]] = []
+            counted: list[tuple[str, float, float]] = []
+            for chunk in self.iter_chunks(storable(sorted({i[0] for i in items})), IN_CHUNK):
+                marks = ", ".join("?" * len(chunk))
+                rows = conn.execute(
+                    self._sql(
+                        f"SELECT id, attempt, pool, started_at, due_at FROM {{s}}work"
+                        f" WHERE id IN ({marks}) AND state = 'running'"
+                    ),
+                    chunk,
+                ).fetchall()
+                rows = [r for r in rows if (r[0], r[1]) in wanted]
+                live += [(r[0], wanted[r[0], r[1]]) for r in rows]
+                counted += [r[2:] for r in rows]
+            self._count_successes(tx, worker_id, now, counted)
+            self._executemany(
                 tx,
-                f"SELECT id, attempt, pool, started_at, due_at FROM {{s}}work"
-                f" WHERE id IN ({marks}) AND state = 'running'",
-                chunk,
-            ).fetchall()
-            rows = [r for r in rows if (r[0], r[1]) in wanted]
-            live += [(r[0], wanted[r[0], r[1]]) for r in rows]
-            counted += [r[2:] for r in rows]
-        self._count_successes(tx, worker_id, now, counted)
-        self._executemany(
-            tx,
-            self._sql(
-                "INSERT INTO {s}finished (id, pool, fn_name, kind, args, on_complete, outcome,"
-                " result, attempts, enqueued_at, finished_at, last_error)"
-                " SELECT id, pool, fn_name, kind, args, on_complete, 'success', ?, attempt,"
-                " enqueued_at, ?, last_error FROM {s}work WHERE id = ?"
-            ),
-            [(result, now, work_id) for work_id, result in live],
-        )
-        self._executemany(
-            tx, self._sql("DELETE FROM {s}work WHERE id = ?"), [(work_id,) for work_id, _ in live]
-        )
-        done = [work_id for work_id, _ in live]
+                self._sql(
+                    "INSERT INTO {s}finished (id, pool, fn_name, kind, args, on_complete,"
+                    " outcome, result, attempts, enqueued_at, finished_at, last_error)"
+                    " SELECT id, pool, fn_name, kind, args, on_complete, 'success', ?, attempt,"
+                    " enqueued_at, ?, last_error FROM {s}work WHERE id = ?"
+                ),
+                [(result, now, work_id) for work_id, result in live],
+            )
+            self._executemany(
+                tx,
+                self._sql("DELETE FROM {s}work WHERE id = ?"),
+                [(work_id,) for work_id, _ in live],
+            )
+            done.extend(work_id for work_id, _ in live)
+
+        self._at_commit(tx, finish)
         return lambda: done
 
     def _count_successes(
