@@ -183,3 +183,4 @@ def test_a_stale_and_a_live_success_of_one_item_run_its_on_complete_once(
     store.run(record_batch)()
     assert seen == [(wid, workpool.Success("live"))]
     assert pool.status(wid) == workpool.Finished(workpool.Success("live"))
+    assert pool.stats().succeeded == 1
