@@ -583,16 +583,15 @@ class SqliteStore(SqlStore):
         wanted = {(item[0], item[1]): item[2] for item in items}
         done: list[str] = []
 
-        def finish(conn: sqlite3.Connection) -> None:  # with the COMMIT, as the JSON path
+        def finish(_: sqlite3.Connection) -> None:  # with the COMMIT, as the JSON path
             live: list[tuple[str, str]] = []
             counted: list[tuple[str, float, float]] = []
             for chunk in self.iter_chunks(storable(sorted({i[0] for i in items})), IN_CHUNK):
                 marks = ", ".join("?" * len(chunk))
-                rows = conn.execute(
-                    self._sql(
-                        f"SELECT id, attempt, pool, started_at, due_at FROM {{s}}work"
-                        f" WHERE id IN ({marks}) AND state = 'running'"
-                    ),
+                rows = self.q(
+                    tx,
+                    f"SELECT id, attempt, pool, started_at, due_at FROM {{s}}work"
+                    f" WHERE id IN ({marks}) AND state = 'running'",
                     chunk,
                 ).fetchall()
                 rows = [r for r in rows if (r[0], r[1]) in wanted]
