@@ -108,7 +108,7 @@ def test_a_success_of_a_stale_attempt_finishes_nothing_with_or_without_json(sqli
     # A wrong attempt number, and an id that is not there: nothing is finished.
     assert finish([(first, 2, '"late"'), ("no-such-id", 1, "1")]) == []
     assert pool.status(first).state == "running"
-    assert finish([(first, 1, '"on time"'), (second, 1, "null")]) == [first, second]
+    assert finish([(first, 1, '"on time"'), (second, 1, "null")]) == [(first, 1), (second, 1)]
     assert pool.status(first) == workpool.Finished(workpool.Success("on time"))
     assert pool.status(second) == workpool.Finished(workpool.Success(None))
     assert finish([(first, 1, '"again"')]) == []  # finished once only

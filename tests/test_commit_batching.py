@@ -9,18 +9,19 @@ counted once, in the same histogram buckets as ``histogram.bucket`` puts it.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
-from collections.abc import Callable
 
 import pytest
 
 import workpool
+from conftest import create_table
 from workpool.core import histogram
 from workpool.core.decide import Succeeded
 from workpool.core.ids import new_work_ids
 from workpool.core.results import success_json
-from workpool.runtime.completion import Changes, Completion
+from workpool.runtime.worker import Worker, WorkerOptions
 from workpool.store.base import Counters, NewWork, minute_of
 from workpool.store.sqlite.store import SqliteStore
 
@@ -91,7 +92,7 @@ def test_successes_are_counted_once_in_the_buckets_of_histogram_bucket(app):
     stale = [(ids[0], 2, success_json("null"), "lags", 0.0)]  # a wrong attempt: not counted
     assert store.run(lambda tx: store.finish_succeeded(tx, stale, now, "w1"))() == []
     done = store.run(lambda tx: store.finish_succeeded(tx, items, now, "w1"))()
-    assert sorted(done) == sorted(ids)
+    assert sorted(done) == sorted((w, 1) for w in ids)
     assert store.run(lambda tx: store.finish_succeeded(tx, items, now, "w1"))() == []
 
     counted = store.run(lambda tx: store.read_counters(tx, "lags", minute_of(now)), readonly=True)
@@ -133,54 +134,95 @@ def test_a_stale_and_a_live_outcome_of_one_item_in_one_batch_count_once(
         reverse=live_first,
     )
     done = store.run(lambda tx: store.finish_succeeded(tx, items, now, "w1"))()
-    assert sorted(done) == sorted([wid, other])
+    assert sorted(done) == sorted([(wid, 1), (other, 1)])
     counted = store.run(lambda tx: store.read_counters(tx, "twice", minute_of(now)), readonly=True)
     assert (counted.completed, counted.succeeded) == (2, 2)
     assert app.pool("twice").status(wid) == workpool.Finished(workpool.Success("live"))
 
 
+def _no_json(app) -> None:
+    """SQLite without its JSON functions (skip on PostgreSQL, which has one path)."""
+    if not isinstance(app.store, SqliteStore):
+        pytest.skip("only SQLite has a path without JSON arrays")
+    app.store._json = False
+
+
+@pytest.mark.parametrize("json_arrays", [True, False], ids=["json", "per-row"])
+def test_a_finish_of_successes_at_once_tells_which_took_inside_the_transaction(
+    app, json_arrays: bool
+):
+    """``at_commit=False``: the rows are finished at once, the (id, attempt) pairs
+    that took can be read before the COMMIT, and the transaction's later statements
+    find those rows finished; a rollback keeps them running."""
+    if not json_arrays:
+        _no_json(app)
+    (wid, other) = _pending(app, "at_once", 2)
+    store = app.store
+    claimed = store.run(lambda tx: store.claim(tx, "at_once", 2, "w1", 1.0))
+    assert sorted(w.id for w in claimed) == sorted([wid, other])
+    now = time.time()
+    items = [
+        (wid, 0, success_json('"stale"'), "at_once", 1.0),
+        (wid, 1, success_json('"live"'), "at_once", 1.0),
+        (other, 1, success_json("null"), "at_once", 1.0),
+    ]
+    pool = app.pool("at_once")
+
+    def body(tx: workpool.Tx, fail: bool) -> list[tuple[str, int]]:
+        taken = store.finish_succeeded(tx, items, now, "w1", at_commit=False)()
+        assert store.load_many_for_update(tx, [wid, other]) == {}
+        if fail:
+            raise RuntimeError("rolled back")
+        return taken
+
+    with pytest.raises(RuntimeError, match="rolled back"):
+        store.run(lambda tx: body(tx, True))
+    assert pool.status(wid).state == pool.status(other).state == "running"
+    assert sorted(store.run(lambda tx: body(tx, False))) == sorted([(wid, 1), (other, 1)])
+    assert pool.status(wid) == workpool.Finished(workpool.Success("live"))
+    assert pool.stats().succeeded == 2
+
+
 @pytest.mark.parametrize("live_first", [False, True], ids=["stale-first", "live-first"])
 @pytest.mark.parametrize("json_arrays", [True, False], ids=["json", "per-row"])
 def test_a_stale_and_a_live_success_of_one_item_run_its_on_complete_once(
-    app, json_arrays: bool, live_first: bool
+    app, store_url: str, json_arrays: bool, live_first: bool
 ):
     """The completer's short path for successes with an on_complete: a batch holding
     an old attempt's success beside the current one's calls the handler once, with
-    the current attempt's result, whatever their order; the finish, built before the
-    handler runs, waits for the COMMIT (on SQLite with or without its JSON
+    the current attempt's result and the context its claim read, whatever their
+    order, and its writes commit once (on SQLite with or without its JSON
     functions)."""
     if not json_arrays:
-        if not isinstance(app.store, SqliteStore):
-            pytest.skip("only SQLite has a path without JSON arrays")
-        app.store._json = False
-    seen: list[tuple[str, object]] = []
+        _no_json(app)
+    table = create_table(app, store_url, "handled_marks", "k TEXT, v TEXT")
+
+    seen: list[tuple[str, object, workpool.Result]] = []
 
     @app.mutation(name="seen")
     def record(tx, work_id: str, context: object, result: workpool.Result) -> None:
-        seen.append((work_id, result))
+        seen.append((work_id, context, result))
+        assert isinstance(result, workpool.Success)
+        tx.execute(f"INSERT INTO {table} (k, v) VALUES ('{work_id}', '{result.return_value}')")
 
     @app.action(name="noop")
     def noop() -> None:
         return None
 
     pool = app.pool("handled", max_parallelism=10)
-    wid = pool.enqueue_action("noop", on_complete="seen")
+    wid = pool.enqueue_action("noop", on_complete="seen", context={"c": 1})
     store = app.store
-    (claimed,) = store.run(lambda tx: store.claim(tx, "handled", 1, "w1", app.clock()))
-    assert claimed.has_on_complete and claimed.attempt == 1
+    worker = Worker(store, app.registry, WorkerOptions(pools=["handled"]))
+    (claimed,) = store.run(lambda tx: store.claim(tx, "handled", 1, worker.info.id, app.clock()))
+    assert claimed.on_complete == "seen" and json.loads(claimed.context or "") == {"c": 1}
+    assert claimed.attempt == 1
     stale = dataclasses.replace(claimed, attempt=0)
     batch = [(stale, Succeeded("stale"), 0.0), (claimed, Succeeded("live"), 0.0)]
     if live_first:
         batch.reverse()
-    completion = Completion(store, app.registry, lambda p: "REPORT", rand=lambda: 0.5)
-
-    def record_batch(tx: workpool.Tx) -> Callable[[], None]:
-        changes = Changes(optimistic=True)
-        log = completion.finish_succeeded(tx, batch, app.clock(), changes, "w1")
-        changes.flush(store, tx, "w1", app.clock())
-        return log
-
-    store.run(record_batch)()
-    assert seen == [(wid, workpool.Success("live"))]
+    worker._record(batch)
+    assert seen == [(wid, {"c": 1}, workpool.Success("live"))]
+    with app.transaction() as tx:
+        assert tx.execute(f"SELECT k, v FROM {table}").fetchall() == [(wid, "live")]
     assert pool.status(wid) == workpool.Finished(workpool.Success("live"))
     assert pool.stats().succeeded == 1

@@ -273,51 +273,40 @@ class Completion:
 
         Whatever the row holds (retry policy, cancel flag), success finishes the
         work, so it is finished by a compare-and-set on (state, attempt) without
-        reading the rows first; the store counts the ones that took. Only the rows
-        with a handler are read (and locked), for the handler and its context, and
-        only a row still running that attempt runs its handler. Their slots count as
-        freed in ``changes`` (a stale one frees none: at worst a needless wake-up).
-        Calling the result, after the COMMIT, logs the ones that took.
+        reading the rows first; the store counts the ones that took. Without
+        handlers that waits for the COMMIT. With them it runs at once: the rows it
+        took are the attempts still current, now locked by it, and only their
+        handlers run, with the name and context their claim read. Their slots count
+        as freed in ``changes`` (a stale one frees none: at worst a needless
+        wake-up). Calling the result, after the COMMIT, logs the ones that took.
         """
         # Sorted: rows are locked in one global order, as everywhere else.
         items = sorted(
             (w.id, w.attempt, _success_json(o), w.pool, max(w.started_at - w.due_at, 0.0))
             for w, o, _ in batch
         )
-        # The finish waits for the COMMIT, after the handlers' statements, so it is
-        # built before them: on SQLite their locked read takes the write lock, which
-        # every other writer waits for while this Python would run.
-        finished = self.store.finish_succeeded(tx, items, now, worker_id)
+        handled = any(w.on_complete is not None for w, _, _ in batch)
+        finished = self.store.finish_succeeded(tx, items, now, worker_id, at_commit=not handled)
         for pool, count in Counter(work.pool for work, _, _ in batch).items():
             changes.direct[pool] = changes.direct.get(pool, 0) + count
-        handled = [(w.id, w.attempt) for w, _, _ in batch if w.has_on_complete]
         if handled:
-            self._run_handlers(tx, batch, handled)
+            taken = set(finished())
+            for work, outcome, _ in batch:
+                if work.on_complete is not None and (work.id, work.attempt) in taken:
+                    self._run_handler(
+                        tx,
+                        work.id,
+                        work.on_complete,
+                        work.context,
+                        Success(outcome.value),
+                        optimistic=True,
+                    )
         return lambda: self._log_succeeded(batch, finished)
-
-    def _run_handlers(
-        self,
-        tx: Tx,
-        batch: Sequence[tuple[ClaimedWork, Succeeded, float]],
-        handled: list[tuple[str, int]],
-    ) -> None:
-        """Call the on_complete of each success in ``batch`` that has one and is
-        still running its attempt, without a savepoint (the caller's pass is
-        optimistic: the first that raises aborts the transaction)."""
-        live = self.store.running_handlers(tx, handled)
-        for work, outcome, _ in batch:
-            found = live.get((work.id, work.attempt)) if work.has_on_complete else None
-            if found is None:
-                continue  # no handler, or rescued or canceled meanwhile: not ours to finish
-            on_complete, context = found
-            self._run_handler(
-                tx, work.id, on_complete, context, Success(outcome.value), optimistic=True
-            )
 
     def _log_succeeded(
         self,
         batch: Sequence[tuple[ClaimedWork, Succeeded, float]],
-        finished: Callable[[], list[str]],
+        finished: Callable[[], list[tuple[str, int]]],
     ) -> None:
         # Once per pool, not per attempt: whether its log level shows completions.
         shown = {
@@ -329,7 +318,7 @@ class Completion:
             return
         done = set(finished())  # the others were stale: rescued, or canceled elsewhere
         for work, _, duration in batch:
-            if work.pool in shown and work.id in done:
+            if work.pool in shown and (work.id, work.attempt) in done:
                 events.completed(
                     self.pool_level(work.pool),
                     pool=work.pool,

@@ -820,7 +820,7 @@ class Worker:
         known: dict[str, tuple[str, str]] | None = None,
         free: int = 0,
     ) -> Callable[[], tuple[list[ClaimedWork], bool]]:
-        handled = {work.fn_name for work, _, _ in batch if work.has_on_complete}
+        handled = {work.fn_name for work, _, _ in batch if work.on_complete is not None}
         if not optimistic or not handled or handled & self._unpipelined:
             return self._record_body(tx, batch, optimistic, known, free)
         # The optimistic pass runs the on_complete handlers in the pipeline with the
@@ -862,7 +862,7 @@ class Worker:
             if (
                 type(outcome) is Succeeded
                 and work.kind == "action"
-                and (optimistic or not work.has_on_complete)
+                and (optimistic or work.on_complete is None)
             ):
                 simple.append((work, outcome, duration))
             else:

@@ -236,7 +236,10 @@ class ClaimedWork:
     timeout: float | None
     due_at: float  # when the attempt became due: start lag = started_at - due_at
     started_at: float
-    has_on_complete: bool = False
+    # Read with the claim, so that the completer runs a success's handler without
+    # reading its row again; the stored context only with a handler.
+    on_complete: str | None = None
+    context: str | None = None
 
 
 # Not frozen: a frozen dataclass's __init__ sets each field through
@@ -623,23 +626,17 @@ class Store(abc.ABC):
         items: Sequence[tuple[str, int, str, str, float]],
         now: float,
         worker_id: str,
-    ) -> Callable[[], list[str]]:
+        *,
+        at_commit: bool = True,
+    ) -> Callable[[], list[tuple[str, int]]]:
         """running -> finished for (id, attempt, result JSON, pool, start lag) without
         reading the rows first, each counted as a success with its start lag in
-        ``worker_id``'s counters of the minute. Its statements wait for the COMMIT
-        (``Tx.defer``): whatever ``tx`` does after this call sees the rows still
-        running (the completer runs on_complete handlers then). Calling the result
-        after ``tx`` committed gives the ids that were still running that attempt
-        (the others are stale, and not counted)."""
-
-    @abc.abstractmethod
-    def running_handlers(
-        self, tx: Tx, items: Sequence[tuple[str, int]]
-    ) -> dict[tuple[str, int], tuple[str, str | None]]:
-        """For (id, attempt) pairs: the on_complete and stored context of each row
-        still running that attempt with an on_complete, by the pair (a stale
-        attempt's pair, beside its id's live one, finds nothing), locked as
-        ``load_many_for_update`` locks them."""
+        ``worker_id``'s counters of the minute. The result gives the (id, attempt)
+        pairs that were still running that attempt (the others are stale, and not
+        counted). ``at_commit`` (the default): the statements wait for the COMMIT
+        (``Tx.defer``), and the result may be called only after it; False: they run
+        at once, and the result may be called at once, inside ``tx``, whose later
+        statements find those rows finished."""
 
     @abc.abstractmethod
     def retry_many(self, tx: Tx, items: Sequence[Retrying], *, at_commit: bool = False) -> None:

@@ -314,7 +314,8 @@ class SqlStore(SqlReads, Store):
     _CLAIM = (
         "UPDATE {s}work SET state = 'running', attempt = attempt + 1, worker_id = ?,"
         " started_at = ? WHERE %s"
-        " RETURNING id, kind, fn_name, attempt, timeout, due_at, on_complete IS NOT NULL"
+        " RETURNING id, kind, fn_name, attempt, timeout, due_at, on_complete,"
+        " CASE WHEN on_complete IS NOT NULL THEN context END"
     )
     _CLAIM_IDS = (
         "SELECT id FROM {s}work WHERE pool = ? AND state = 'pending' AND due_at <= ?"
@@ -351,12 +352,13 @@ class SqlStore(SqlReads, Store):
             pool=pool,
             kind=r[1],
             fn_name=r[2],
-            args=r[7],
+            args=r[8],
             attempt=int(r[3]),
             timeout=None if r[4] is None else float(r[4]),
             due_at=float(r[5]),
             started_at=now,
-            has_on_complete=bool(r[6]),
+            on_complete=r[6],
+            context=r[7],
         )
 
     def _claim_rows(
@@ -371,7 +373,7 @@ class SqlStore(SqlReads, Store):
     ) -> Callable[[], list[Any]]:
         """Claim up to ``limit`` due rows of ``pool`` within its ``max_parallelism``; a
         function that reads them, as (id, kind, fn_name, attempt, timeout, due_at,
-        has_on_complete, args): ``_CLAIM``'s columns, then the args. ``at_commit``:
+        on_complete, context, args): ``_CLAIM``'s columns, then the args. ``at_commit``:
         the store may claim with the COMMIT (``claim_later``)."""
         raise NotImplementedError
 
@@ -438,26 +440,6 @@ class SqlStore(SqlReads, Store):
             ).fetchall()
             for row in rows:
                 found[row[0]] = active_row(row)
-        return found
-
-    def running_handlers(
-        self, tx: Tx, items: Sequence[tuple[str, int]]
-    ) -> dict[tuple[str, int], tuple[str, str | None]]:
-        wanted = set(items)  # an id may come with a stale attempt beside its live one
-        found: dict[tuple[str, int], tuple[str, str | None]] = {}
-        # The rows are locked as load_many_for_update locks them, in id order; state and
-        # attempt are checked here rather than in the statement, as there.
-        for chunk in self._id_chunks(sorted(storable(list({i for i, _ in wanted})))):
-            match, params = self._id_in("w.id", chunk)
-            rows = self.q(
-                tx,
-                "SELECT w.id, w.state, w.attempt, w.on_complete, {context_w}"
-                f" FROM {{s}}work w WHERE {match} ORDER BY w.id" + self.for_update,
-                params,
-            ).fetchall()
-            for work_id, state, attempt, on_complete, context in rows:
-                if state == "running" and (work_id, attempt) in wanted and on_complete is not None:
-                    found[work_id, attempt] = (on_complete, context)
         return found
 
     def retry_many(self, tx: Tx, items: Sequence[Retrying], *, at_commit: bool = False) -> None:

@@ -500,14 +500,17 @@ class PostgresStore(SqlStore):
     def _pick(self, pool: str, free: str) -> str:
         """SQL for where the rows a claim takes from ``pool`` are (their ctid): its
         next due pending rows, at most ``free``, and after the first only while their
-        args stay within ``CLAIM_BYTES`` (``octet_length`` reads a stored value's
-        size, not the value). Both arguments are SQL; a placeholder for ``now``
-        comes between them."""
+        args (and contexts, which a claim reads for a handler) stay within
+        ``CLAIM_BYTES`` (``octet_length`` reads a stored value's size, not the
+        value). Both arguments are SQL; a placeholder for ``now`` comes between
+        them."""
         s = self.table_prefix
         return (
-            "SELECT tid FROM (SELECT tid, sum(octet_length(args)) OVER (ORDER BY due_at, id"
-            " ROWS UNBOUNDED PRECEDING) - octet_length(args) AS before FROM (SELECT id,"
-            f" ctid AS tid, due_at, args FROM {s}work WHERE pool = {pool}"
+            "SELECT tid FROM (SELECT tid, sum(size) OVER (ORDER BY due_at, id"
+            " ROWS UNBOUNDED PRECEDING) - size AS before FROM (SELECT id,"
+            " ctid AS tid, due_at, octet_length(args) + CASE WHEN on_complete IS NULL"
+            " THEN 0 ELSE coalesce(octet_length(context), 0) END AS size"
+            f" FROM {s}work WHERE pool = {pool}"
             " AND state = 'pending' AND due_at <= %s ORDER BY due_at, id"
             f" LIMIT {free}{self.skip_locked}) c) d WHERE before < {CLAIM_BYTES}"
         )
@@ -515,7 +518,7 @@ class PostgresStore(SqlStore):
     def claim_cut(self, claimed: Sequence[ClaimedWork]) -> bool:
         # Counted in characters, each at most 4 bytes in UTF-8: a claim that stopped
         # at CLAIM_BYTES always passes this; one that did not costs an empty claim.
-        return sum(len(work.args) for work in claimed) * 4 >= CLAIM_BYTES
+        return sum(len(w.args) + len(w.context or "") for w in claimed) * 4 >= CLAIM_BYTES
 
     def _room(self, asked: str, pool: str) -> str:
         """SQL for how many rows a claim may take: ``asked`` at most, and no more
@@ -559,7 +562,7 @@ class PostgresStore(SqlStore):
         def answer() -> dict[str, list[ClaimedWork]]:
             got: dict[str, list[ClaimedWork]] = {p: [] for p in pools}
             for row in claim.rows:
-                got[row[8]].append(self._claimed_work(row[8], now, row))
+                got[row[9]].append(self._claimed_work(row[9], now, row))
             return got
 
         return answer
@@ -766,7 +769,9 @@ class PostgresStore(SqlStore):
         items: Sequence[tuple[str, int, str, str, float]],
         now: float,
         worker_id: str,
-    ) -> Callable[[], list[str]]:
+        *,
+        at_commit: bool = True,
+    ) -> Callable[[], list[tuple[str, int]]]:
         if not items:
             return list
         rows, params = unnest(
@@ -777,27 +782,30 @@ class PostgresStore(SqlStore):
                 ([i[2] for i in items], "text"),
             ]
         )
-        # Sent with the COMMIT, and counted by the statement itself: which rows were
-        # still running is known only there, and the counters go in the same round
-        # trip.
-        found = tx.defer(
-            self._sql(
-                f"WITH f AS (SELECT * FROM {rows} AS f(id, state, attempt, result)),"
-                " gone AS (DELETE FROM {s}work w USING f WHERE w.id = f.id"
-                " AND w.state = f.state AND w.attempt = f.attempt RETURNING w.id, w.pool,"
-                " w.fn_name, w.kind, w.args, w.on_complete, f.result, w.attempt,"
-                " w.enqueued_at, w.last_error, GREATEST(w.started_at - w.due_at, 0) AS lag),"
-                " done AS (INSERT INTO {s}finished (id, pool, fn_name, kind, args, on_complete,"
-                " outcome, result, attempts, enqueued_at, finished_at, last_error)"
-                " SELECT id, pool, fn_name, kind, args, on_complete, 'success', result,"
-                " attempt, enqueued_at, %s, last_error FROM gone),"
-                f" counted AS ({self._COUNT_SUCCESSES})"
-                " SELECT id FROM gone"
-            ),
-            [*params, now, worker_id, minute_of(now)],
-            rows=True,
+        # Counted by the statement itself: which rows were still running is known
+        # only there, and the counters go in the same round trip.
+        sql = self._sql(
+            f"WITH f AS (SELECT * FROM {rows} AS f(id, state, attempt, result)),"
+            " gone AS (DELETE FROM {s}work w USING f WHERE w.id = f.id"
+            " AND w.state = f.state AND w.attempt = f.attempt RETURNING w.id, w.pool,"
+            " w.fn_name, w.kind, w.args, w.on_complete, f.result, w.attempt,"
+            " w.enqueued_at, w.last_error, GREATEST(w.started_at - w.due_at, 0) AS lag),"
+            " done AS (INSERT INTO {s}finished (id, pool, fn_name, kind, args, on_complete,"
+            " outcome, result, attempts, enqueued_at, finished_at, last_error)"
+            " SELECT id, pool, fn_name, kind, args, on_complete, 'success', result,"
+            " attempt, enqueued_at, %s, last_error FROM gone),"
+            f" counted AS ({self._COUNT_SUCCESSES})"
+            " SELECT id, attempt FROM gone"
         )
-        return lambda: [r[0] for r in found.rows]
+        args = [*params, now, worker_id, minute_of(now)]
+        if at_commit:
+            found = tx.defer(sql, args, rows=True)
+            return lambda: [(r[0], r[1]) for r in found.rows]
+        # Planned as with the COMMIT (see _begin's end), and only this statement.
+        self._x(tx, "SET LOCAL plan_cache_mode = force_generic_plan")
+        taken = [(r[0], r[1]) for r in self._x(tx, sql, args).fetchall()]
+        self._x(tx, "SET LOCAL plan_cache_mode = DEFAULT")
+        return lambda: taken
 
     # The successes in ``gone`` (pool, lag) added to the worker's counters
     # (parameters: worker, minute); the start lags fall in histogram.LAG_BOUNDS

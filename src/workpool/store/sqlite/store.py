@@ -439,16 +439,25 @@ class SqliteStore(SqlStore):
         return lambda: self.run(lambda rtx: self._payloads_of(rtx, claim.rows), readonly=True)
 
     def _payloads_of(self, tx: Tx, rows: list[Any]) -> list[Any]:
-        """Claimed rows with the args of those whose args are in payloads."""
-        elsewhere = [r[0] for r in rows if r[7] is None]
+        """Claimed rows with the args (and the context, with a handler) of those
+        whose payload is in payloads."""
+        elsewhere = [r[0] for r in rows if r[8] is None]
         if not elsewhere:
             return rows
-        args: dict[str, str] = {}
+        found: dict[str, tuple[str, str | None]] = {}
         for chunk in self.iter_chunks(elsewhere, IN_CHUNK):
             marks = ", ".join("?" * len(chunk))
-            found = self.q(tx, f"SELECT id, args FROM {{s}}payloads WHERE id IN ({marks})", chunk)
-            args.update(found.fetchall())
-        return [r if r[7] is not None else (*r[:7], args.get(r[0], "")) for r in rows]
+            read = self.q(
+                tx, f"SELECT id, args, context FROM {{s}}payloads WHERE id IN ({marks})", chunk
+            )
+            found.update((r[0], (r[1], r[2])) for r in read.fetchall())
+        out = []
+        for r in rows:
+            if r[8] is None:
+                args, context = found.get(r[0], ("", None))
+                r = (*r[:7], None if r[6] is None else context, args)
+            out.append(r)
+        return out
 
     def finish_many(
         self, tx: Tx, items: Sequence[Finishing], now: float, *, at_commit: bool = False
@@ -526,12 +535,18 @@ class SqliteStore(SqlStore):
         )
 
     def finish_succeeded(
-        self, tx: Tx, items: Sequence[tuple[str, int, str, str, float]], now: float, worker_id: str
-    ) -> Callable[[], list[str]]:
+        self,
+        tx: Tx,
+        items: Sequence[tuple[str, int, str, str, float]],
+        now: float,
+        worker_id: str,
+        *,
+        at_commit: bool = True,
+    ) -> Callable[[], list[tuple[str, int]]]:
         if not items:
             return list
         if not self._has_json(tx):
-            return self._finish_succeeded_by_row(tx, items, now, worker_id)
+            return self._finish_succeeded_by_row(tx, items, now, worker_id, at_commit)
         # With the COMMIT, and built before it: a worker's batch then holds the write
         # lock for its SQL alone (see _begin). The copies into finished take the rows
         # still running the attempt, from one JSON array of (id, attempt, result), texts
@@ -539,52 +554,60 @@ class SqliteStore(SqlStore):
         # and the deletes go by the ids they return, which are all of them but for
         # stale ones: both are ready for that case, made from the batch beforehand.
         batch = [item for item in items if storable([item[0]])]
-        finished = tx.defer(
-            self._sql(
-                "INSERT INTO {s}finished (id, pool, fn_name, kind, args, on_complete, outcome,"
-                " result, attempts, enqueued_at, finished_at, last_error)"
-                " SELECT w.id, w.pool, w.fn_name, w.kind, w.args, w.on_complete, 'success',"
-                " json_extract(j.value, '$[2]'), w.attempt, w.enqueued_at, ?, w.last_error"
-                " FROM json_each(?) j CROSS JOIN {s}work w"
-                " ON w.id = json_extract(j.value, '$[0]') WHERE w.state = 'running'"
-                " AND w.attempt = json_extract(j.value, '$[1]') RETURNING id, attempts"
-            ),
-            (now, json.dumps([item[:3] for item in batch])),
-            rows=True,
+        sql = self._sql(
+            "INSERT INTO {s}finished (id, pool, fn_name, kind, args, on_complete, outcome,"
+            " result, attempts, enqueued_at, finished_at, last_error)"
+            " SELECT w.id, w.pool, w.fn_name, w.kind, w.args, w.on_complete, 'success',"
+            " json_extract(j.value, '$[2]'), w.attempt, w.enqueued_at, ?, w.last_error"
+            " FROM json_each(?) j CROSS JOIN {s}work w"
+            " ON w.id = json_extract(j.value, '$[0]') WHERE w.state = 'running'"
+            " AND w.attempt = json_extract(j.value, '$[1]') RETURNING id, attempts"
         )
+        params = (now, json.dumps([item[:3] for item in batch]))
+        taken: list[tuple[str, int]] = []
         planned = _successes(batch, worker_id, now)
         delete = self._sql("DELETE FROM {s}work WHERE id IN (SELECT value FROM json_each(?))")
 
         def settle(conn: sqlite3.Connection) -> None:
-            done = {(row[0], row[1]) for row in finished.rows}
+            taken.extend((row[0], row[1]) for row in conn.execute(sql, params).fetchall())
             ids, counters = planned
-            if len(done) < len(batch):  # stale ones among them: count and delete the rest
-                live = [i for i in batch if (i[0], i[1]) in done]
-                ids, counters = _successes(live, worker_id, now)
-            for sql, params in counters:
-                conn.execute(self._sql(sql), params)
+            if len(taken) < len(batch):  # stale ones among them: count and delete the rest
+                done = set(taken)
+                ids, counters = _successes(
+                    [i for i in batch if (i[0], i[1]) in done], worker_id, now
+                )
+            for counter_sql, counter_params in counters:
+                conn.execute(self._sql(counter_sql), counter_params)
             conn.execute(delete, (ids,))
 
-        self._at_commit(tx, settle)
-        return lambda: [row[0] for row in finished.rows]
+        self._at_commit(tx, settle, at_commit)
+        return lambda: taken
 
-    def _at_commit(self, tx: Tx, step: Callable[[sqlite3.Connection], None]) -> None:
-        """Run ``step`` with the deferred statements, in their order (at once in a
-        transaction adopted from the caller, as ``Tx.defer`` does)."""
-        if tx.owned:
+    def _at_commit(
+        self, tx: Tx, step: Callable[[sqlite3.Connection], None], at_commit: bool = True
+    ) -> None:
+        """Run ``step`` with the deferred statements, in their order (at once when not
+        ``at_commit``, or in a transaction adopted from the caller, as ``Tx.defer``
+        does)."""
+        if tx.owned and at_commit:
             tx.deferred.append(_Step(step))
         else:
             step(tx.connection)
 
     def _finish_succeeded_by_row(
-        self, tx: Tx, items: Sequence[tuple[str, int, str, str, float]], now: float, worker_id: str
-    ) -> Callable[[], list[str]]:
+        self,
+        tx: Tx,
+        items: Sequence[tuple[str, int, str, str, float]],
+        now: float,
+        worker_id: str,
+        at_commit: bool,
+    ) -> Callable[[], list[tuple[str, int]]]:
         # By (id, attempt): a batch may hold a stale attempt's outcome beside the live one's.
         wanted = {(item[0], item[1]): item[2] for item in items}
-        done: list[str] = []
+        done: list[tuple[str, int]] = []
 
-        def finish(_: sqlite3.Connection) -> None:  # with the COMMIT, as the JSON path
-            live: list[tuple[str, str]] = []
+        def finish(_: sqlite3.Connection) -> None:  # as the JSON path
+            live: list[tuple[str, int, str]] = []
             counted: list[tuple[str, float, float]] = []
             for chunk in self.iter_chunks(storable(sorted({i[0] for i in items})), IN_CHUNK):
                 marks = ", ".join("?" * len(chunk))
@@ -595,7 +618,7 @@ class SqliteStore(SqlStore):
                     chunk,
                 ).fetchall()
                 rows = [r for r in rows if (r[0], r[1]) in wanted]
-                live += [(r[0], wanted[r[0], r[1]]) for r in rows]
+                live += [(r[0], r[1], wanted[r[0], r[1]]) for r in rows]
                 counted += [r[2:] for r in rows]
             self._count_successes(tx, worker_id, now, counted)
             self._executemany(
@@ -606,16 +629,16 @@ class SqliteStore(SqlStore):
                     " SELECT id, pool, fn_name, kind, args, on_complete, 'success', ?, attempt,"
                     " enqueued_at, ?, last_error FROM {s}work WHERE id = ?"
                 ),
-                [(result, now, work_id) for work_id, result in live],
+                [(result, now, work_id) for work_id, _, result in live],
             )
             self._executemany(
                 tx,
                 self._sql("DELETE FROM {s}work WHERE id = ?"),
-                [(work_id,) for work_id, _ in live],
+                [(work_id,) for work_id, _, _ in live],
             )
-            done.extend(work_id for work_id, _ in live)
+            done.extend((work_id, attempt) for work_id, attempt, _ in live)
 
-        self._at_commit(tx, finish)
+        self._at_commit(tx, finish, at_commit)
         return lambda: done
 
     def _count_successes(
