@@ -548,11 +548,12 @@ class SqliteStore(SqlStore):
         if not self._has_json(tx):
             return self._finish_succeeded_by_row(tx, items, now, worker_id, at_commit)
         # With the COMMIT (at once, when asked), and built before it: a worker's batch
-        # then holds the write lock for its SQL alone (see _begin). The copies into finished take the rows
-        # still running the attempt, from one JSON array of (id, attempt, result), texts
-        # as JSON strings so that json_extract gives them back exactly; the counters
-        # and the deletes go by the ids they return, which are all of them but for
-        # stale ones: both are ready for that case, made from the batch beforehand.
+        # then holds the write lock for its SQL alone (see _begin). The copies into
+        # finished take the rows still running the attempt, from one JSON array of
+        # (id, attempt, result), texts as JSON strings so that json_extract gives them
+        # back exactly; the counters and the deletes go by the ids they return, which
+        # are all of them but for stale ones: both are ready for that case, made from
+        # the batch beforehand.
         batch = [item for item in items if storable([item[0]])]
         sql = self._sql(
             "INSERT INTO {s}finished (id, pool, fn_name, kind, args, on_complete, outcome,"
