@@ -226,3 +226,38 @@ def test_a_stale_and_a_live_success_of_one_item_run_its_on_complete_once(
         assert tx.execute(f"SELECT k, v FROM {table}").fetchall() == [(wid, "live")]
     assert pool.status(wid) == workpool.Finished(workpool.Success("live"))
     assert pool.stats().succeeded == 1
+
+
+@pytest.mark.parametrize("json_arrays", [True, False], ids=["json", "per-row"])
+def test_the_handler_gets_the_context_its_claim_read_small_or_big(app, json_arrays: bool):
+    """The short path runs a handler with the context its claim returned: no context,
+    a small one (inline in SQLite's work row) and a big one (in SQLite's payloads,
+    read after the claim's COMMIT) each reach the handler exactly as enqueued; work
+    without a handler beside them claims no context."""
+    if not json_arrays:
+        _no_json(app)
+    seen: dict[str, object] = {}
+
+    @app.mutation(name="got")
+    def got(tx, work_id: str, context: object, result: workpool.Result) -> None:
+        assert work_id not in seen
+        seen[work_id] = context
+
+    @app.action(name="noop")
+    def noop() -> None:
+        return None
+
+    pool = app.pool("contexts", max_parallelism=10)
+    big = {"blob": "z" * 200_000}
+    contexts: list[object] = [None, {"small": 1}, big]
+    ids = [pool.enqueue_action("noop", on_complete="got", context=c) for c in contexts]
+    plain = pool.enqueue_action("noop", context={"unused": True})
+    store = app.store
+    worker = Worker(store, app.registry, WorkerOptions(pools=["contexts"]))
+    claimed = store.run(lambda tx: store.claim(tx, "contexts", 10, worker.info.id, app.clock()))
+    by_id = {w.id: w for w in claimed}
+    assert by_id[plain].on_complete is None and by_id[plain].context is None
+    assert [json.loads(by_id[w].context or "null") for w in ids] == contexts
+    worker._record([(w, Succeeded(None), 0.0) for w in claimed])
+    assert seen == dict(zip(ids, contexts, strict=True))
+    assert all(pool.status(w) == workpool.Finished(workpool.Success(None)) for w in [*ids, plain])

@@ -460,6 +460,40 @@ def test_a_claim_stops_at_its_bytes_of_args_and_says_the_pool_may_have_more(
     assert store.claim_cut(got["heavy2"])
 
 
+def test_a_claim_counts_the_contexts_it_reads_for_handlers_in_its_bytes(pg_app: Any) -> None:
+    """A claim reads a handler's context with the args, so CLAIM_BYTES counts it:
+    small args with big contexts stop a claim as big args do, while a big context
+    without a handler (never read by the claim) does not count."""
+    from workpool.store.postgres.store import CLAIM_BYTES
+
+    @pg_app.action(name="small")
+    def small() -> None:
+        pass
+
+    @pg_app.mutation(name="handler")
+    def handler(tx: Any, work_id: str, context: Any, result: Any) -> None:
+        pass
+
+    blob = "c" * 900_000
+    size = len(json.dumps(blob)) + len("{}")
+    fits = -(-CLAIM_BYTES // size)
+    assert 1 < fits < 10
+    handled = pg_app.pool("handled", max_parallelism=100)
+    handled.enqueue_action_batch(small, [{}] * 10, on_complete=handler, context=blob)
+    unhandled = pg_app.pool("unhandled", max_parallelism=100)
+    unhandled.enqueue_action_batch(small, [{}] * 10, context=blob)
+    store = pg_app.store
+    now = time.time() + 1
+
+    first = store.run(lambda tx: store.claim(tx, "handled", 10, "w", now))
+    assert len(first) == fits
+    assert all(w.context == json.dumps(blob) for w in first)
+    assert store.claim_cut(first)
+    got = store.run(lambda tx: store.claim(tx, "unhandled", 10, "w", now))
+    assert len(got) == 10 and all(w.context is None for w in got)
+    assert not store.claim_cut(got)
+
+
 def test_payloads_are_compressed_with_lz4_where_the_server_has_it(pg_app: Any) -> None:
     """pglz compressed 800 KB of args in 6.5 ms, lz4 in 1.1 ms (and reads back faster):
     the migration sets lz4 on the payload columns when the server supports it."""
