@@ -494,6 +494,55 @@ def test_a_claim_counts_the_contexts_it_reads_for_handlers_in_its_bytes(pg_app: 
     assert not store.claim_cut(got)
 
 
+def test_a_claim_reads_big_payloads_after_its_commit_with_the_claim_lock_free(
+    pg_app: Any, pg_url: str
+) -> None:
+    """A claim returns small args and contexts itself; bigger ones (over
+    CLAIM_INLINE_BYTES together) are read after its COMMIT, when the pool's claim
+    lock is free for other workers' claims, and arrive whole."""
+    from workpool.store.postgres.store import CLAIM_INLINE_BYTES
+
+    @pg_app.action(name="job")
+    def job(blob: str) -> None:
+        pass
+
+    @pg_app.mutation(name="handler")
+    def handler(tx: Any, work_id: str, context: Any, result: Any) -> None:
+        pass
+
+    big, small = "b" * (CLAIM_INLINE_BYTES + 1), "s" * 100
+    pool = pg_app.pool("payloads", max_parallelism=100)
+    pool.enqueue_action(job, {"blob": big}, on_complete=handler, context=big)
+    pool.enqueue_action(job, {"blob": big})
+    pool.enqueue_action(job, {"blob": small}, on_complete=handler, context=small)
+    pool.enqueue_action(job, {"blob": small}, context=big)  # no handler: no context
+    store = pg_app.store
+    answer = store.run(lambda tx: store.claim_later(tx, "payloads", 10, "w", time.time() + 1))
+
+    lock_free: list[bool] = []
+    run = store.run
+
+    def watched(fn: Any, **kw: Any) -> Any:
+        with psycopg.connect(_conninfo(pg_url), autocommit=True) as other:
+            got = other.execute(
+                "SELECT pg_try_advisory_lock(hashtext(%s), hashtext(%s))",
+                (store.schema, "payloads"),
+            ).fetchone()
+            lock_free.append(bool(got and got[0]))
+            other.execute("SELECT pg_advisory_unlock_all()")
+        return run(fn, **kw)
+
+    store.run = watched
+    try:
+        claimed = answer()
+    finally:
+        del store.run
+    assert lock_free == [True]  # one read, after the COMMIT, for the two big rows
+    got = sorted((json.loads(w.args)["blob"], w.context or "") for w in claimed)
+    want = [(big, json.dumps(big)), (big, ""), (small, json.dumps(small)), (small, "")]
+    assert got == sorted(want)
+
+
 def test_payloads_are_compressed_with_lz4_where_the_server_has_it(pg_app: Any) -> None:
     """pglz compressed 800 KB of args in 6.5 ms, lz4 in 1.1 ms (and reads back faster):
     the migration sets lz4 on the payload columns when the server supports it."""

@@ -311,11 +311,12 @@ class SqlStore(SqlReads, Store):
             tx.connection.executemany(sql, rows)
 
     # The claim: the next due pending rows of one pool, up to a limit, become running.
+    # Each store says where (the first %s) and how the context and args come back
+    # (the second: with a handler only, and the args, in that order).
     _CLAIM = (
         "UPDATE {s}work SET state = 'running', attempt = attempt + 1, worker_id = ?,"
         " started_at = ? WHERE %s"
-        " RETURNING id, kind, fn_name, attempt, timeout, due_at, on_complete,"
-        " CASE WHEN on_complete IS NOT NULL THEN context END"
+        " RETURNING id, kind, fn_name, attempt, timeout, due_at, on_complete, %s"
     )
     _CLAIM_IDS = (
         "SELECT id FROM {s}work WHERE pool = ? AND state = 'pending' AND due_at <= ?"

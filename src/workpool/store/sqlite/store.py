@@ -405,15 +405,12 @@ class SqliteStore(SqlStore):
     # and the worker fails such work as corrupt): read apart, as a subquery in the
     # RETURNING copied each into SQLite's buffer of returned rows (a claim of 50 of
     # 800 KB: 30-42 -> 100-126 ms).
-    _SQLITE_CLAIM = (
-        SqlStore._CLAIM
-        % (
-            "id IN (SELECT id FROM {s}work WHERE pool = ? AND state = 'pending'"
-            " AND due_at <= ? ORDER BY due_at, id LIMIT max(min(?, coalesce((SELECT"
-            " max_parallelism FROM {s}pools WHERE name = ?), 0) - (SELECT count(*) FROM"
-            " {s}work WHERE pool = ? AND state = 'running')), 0))"
-        )
-        + ", args"
+    _SQLITE_CLAIM = SqlStore._CLAIM % (
+        "id IN (SELECT id FROM {s}work WHERE pool = ? AND state = 'pending'"
+        " AND due_at <= ? ORDER BY due_at, id LIMIT max(min(?, coalesce((SELECT"
+        " max_parallelism FROM {s}pools WHERE name = ?), 0) - (SELECT count(*) FROM"
+        " {s}work WHERE pool = ? AND state = 'running')), 0))",
+        "CASE WHEN on_complete IS NOT NULL THEN context END, args",
     )
 
     def _claim_rows(
