@@ -38,6 +38,8 @@ ROWS: list[tuple[str, str, str, str]] = [
     ("big", "enqueue_mb_s", "enqueue MB/s (800KB+800KB)", "rate"),
     ("big", "drain_rate", "drain jobs/s", "rate"),
     ("big", "exactly_once", "every job exactly once", "bool"),
+    ("big", "worker_ms_per_job", "big: worker CPU ms/job", "ms"),
+    ("big", "server_ms_per_job", "big: PostgreSQL CPU ms/job", "ms"),
     ("idle", "worker_cpu_pct", "idle worker CPU % of a core", "pct"),
     ("idle", "server_cpu_pct", "PostgreSQL server CPU %", "pct"),
 ]

@@ -293,9 +293,11 @@ def w_big(system: System, ctx: Ctx) -> dict[str, Any]:
         args = [{"i": i, "blob": blob, "ctx": context} for i in range(n)]  # same bytes
     enqueue_s = enqueue_all(system, "big", args, 10)
     workers = ctx.start(system)
+    w0, s0 = tree_cpu_seconds(workers.pids()), pg_server_cpu_seconds()
     t0 = time.perf_counter()
     workers.go()
     t1 = ctx.wait_drained(system, n, t0)
+    w1, s1 = tree_cpu_seconds(workers.pids()), pg_server_cpu_seconds()
     ctx.reader.poll()
     check = verify_once(ctx.reader.records, n)
     mb = n * 2 * size / 1e6
@@ -306,6 +308,9 @@ def w_big(system: System, ctx: Ctx) -> dict[str, Any]:
         return out
     out["drain_rate"] = n / (t1 - t0)
     out["drain_mb_s"] = mb / (t1 - t0)
+    out["worker_ms_per_job"] = 1e3 * (w1 - w0) / n
+    if s0 is not None and s1 is not None and system.store == "postgresql":
+        out["server_ms_per_job"] = 1e3 * (s1 - s0) / n
     return out
 
 
