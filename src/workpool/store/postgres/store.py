@@ -522,7 +522,7 @@ class PostgresStore(SqlStore):
         if not left:
             return rows
 
-        def read(rtx: Tx) -> dict[tuple[str, bool], str]:
+        def read(rtx: Tx) -> dict[tuple[str, bool], str | None]:
             # The args and the contexts as rows of their own: a message of 1.6 MB
             # costs the server and psycopg more per byte than two of 800 KB (3
             # rows of 800 KB args and 800 KB context: 11-12 -> 8.6-9 ms).
