@@ -365,7 +365,8 @@ def test_a_worker_starts_no_more_threads_than_its_work_needs(app, rec: Recorder)
 
 def test_status_batch_reads_each_state_and_the_occupancy_of_each_pool(app):
     """One read answers finished, running, waiting, due, scheduled and unknown ids,
-    with the running count and limit of the pool of each due one."""
+    with the running count and limit of the pool of each due one; status() of each
+    id alone answers the same."""
     started = threading.Event()
     release = threading.Event()
 
@@ -392,6 +393,9 @@ def test_status_batch_reads_each_state_and_the_occupancy_of_each_pool(app):
             later = roomy.enqueue_action(quick, run_after=60)
             first = full.status_batch([done, held, waiting, unknown, waiting])
             second = roomy.status_batch([later, due])
+            # One id at a time is a statement of its own (status()): the same answers.
+            alone = [full.status(i) for i in (done, held, waiting, unknown, waiting)]
+            alone += [roomy.status(i) for i in (later, due)]
             release.set()
     finally:
         release.set()
@@ -402,6 +406,7 @@ def test_status_batch_reads_each_state_and_the_occupancy_of_each_pool(app):
     assert first[4] == first[2]
     assert (second[0].reason, second[0].running, second[0].limit) == ("scheduled", None, None)
     assert (second[1].reason, second[1].running, second[1].limit) == ("due", 0, 3)
+    assert alone == first + second
 
 
 def test_status_batch_of_more_ids_than_one_read_takes(app):

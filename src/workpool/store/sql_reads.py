@@ -195,6 +195,10 @@ class SqlReads:
         found: dict[str, StatusRow] = {}
         ids = storable(ids)
         for chunk in self._id_chunks(ids):
+            if len(chunk) == 1:
+                rows = self.q(tx, self._STATUS_ONE, [chunk[0], chunk[0]]).fetchall()
+                self._status_rows(rows, found)
+                continue
             active, active_params = self._id_in("w.id", chunk)
             done, done_params = self._id_in("f.id", chunk)
             # One statement, so one snapshot and one round trip: the active rows, with
@@ -214,20 +218,39 @@ class SqlReads:
                 f" FROM {{s}}finished f WHERE {done}",
                 [*active_params, *done_params],
             ).fetchall()
-            for row in rows:
-                if row[0] == "a":
-                    occupancy = None
-                    if row[19] is not None:
-                        occupancy = (int(row[19]), None if row[20] is None else int(row[20]))
-                    found[row[1]] = StatusRow(active=active_row(row[1:19]), occupancy=occupancy)
-            for row in rows:
-                if row[0] == "f" and row[1] not in found:  # an active row comes first
-                    found[row[1]] = StatusRow(
-                        finished=FinishedRow(
-                            row[1], row[2], row[21], int(row[22]), float(row[23]), row[24]
-                        )
-                    )
+            self._status_rows(rows, found)
         return found
+
+    # The same rows for one id (``status()``), the pool's occupancy as subqueries of
+    # its row rather than a CTE grouped by pool: SQLite 0.033 -> 0.020 ms a call
+    # (200 ids on a 10k backlog, medians of 8 interleaved passes); PostgreSQL 0.217
+    # -> 0.205, within its noise.
+    _STATUS_ONE = (
+        f"SELECT 'a', {STATUS_COLUMNS}, CASE WHEN w.state = 'pending' THEN (SELECT"
+        " count(*) FROM {s}work r WHERE r.pool = w.pool AND r.state = 'running') END,"
+        " CASE WHEN w.state = 'pending' THEN (SELECT c.max_parallelism FROM {s}pools c"
+        f" WHERE c.name = w.pool) END, {_nulls(4)} FROM {{s}}work w WHERE w.id = ?"
+        f" UNION ALL SELECT 'f', f.id, f.pool, {_nulls(18)}, f.result, f.attempts,"
+        " f.finished_at, f.handler_error FROM {s}finished f WHERE f.id = ?"
+    )
+
+    @staticmethod
+    def _status_rows(rows: list[Any], found: dict[str, StatusRow]) -> None:
+        """Adds the rows of a status read (an active row, else a finished one) to
+        ``found``."""
+        for row in rows:
+            if row[0] == "a":
+                occupancy = None
+                if row[19] is not None:
+                    occupancy = (int(row[19]), None if row[20] is None else int(row[20]))
+                found[row[1]] = StatusRow(active=active_row(row[1:19]), occupancy=occupancy)
+        for row in rows:
+            if row[0] == "f" and row[1] not in found:  # an active row comes first
+                found[row[1]] = StatusRow(
+                    finished=FinishedRow(
+                        row[1], row[2], row[21], int(row[22]), float(row[23]), row[24]
+                    )
+                )
 
     def add_counters(
         self, tx: Tx, pool: str, worker_id: str, bucket: int, counters: Counters
