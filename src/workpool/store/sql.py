@@ -374,9 +374,29 @@ class SqlStore(SqlReads, Store):
     ) -> Callable[[], list[Any]]:
         """Claim up to ``limit`` due rows of ``pool`` within its ``max_parallelism``; a
         function that reads them, as (id, kind, fn_name, attempt, timeout, due_at,
-        on_complete, context, args): ``_CLAIM``'s columns, then the args. ``at_commit``:
-        the store may claim with the COMMIT (``claim_later``)."""
+        on_complete, context, args): ``_CLAIM``'s columns, with any payload the claim
+        left out filled in (``_with_payloads``). ``at_commit``: the store may claim
+        with the COMMIT (``claim_later``)."""
         raise NotImplementedError
+
+    @staticmethod
+    def _with_payloads(
+        rows: list[Any], read: Callable[[list[str]], dict[str, tuple[str, str | None]]]
+    ) -> list[Any]:
+        """Claimed rows whose args the claim left out (NULL) with the (args, context)
+        that ``read`` finds for their ids; the context only with a handler, and args
+        "" for a row ``read`` did not find (the worker fails it as corrupt)."""
+        left = [r[0] for r in rows if r[8] is None]
+        if not left:
+            return rows
+        found = read(left)
+        out = []
+        for r in rows:
+            if r[8] is None:
+                args, context = found.get(r[0], ("", None))
+                r = (*r[:7], None if r[6] is None else context, args, *r[9:])
+            out.append(r)
+        return out
 
     # Pools' running rows, for a row ``p`` of ``pools``.
     _RUNNING_OF_P = "(SELECT count(*) FROM {s}work r WHERE r.pool = p.name AND r.state = 'running')"

@@ -496,52 +496,47 @@ class PostgresStore(SqlStore):
             with self.pipeline(tx):
                 self._lock_pool(tx, pool)
                 rows = self._x(tx, sql, params)
-            return lambda: self._with_payloads(tx, list(rows.fetchall()))
+            return lambda: self._payloads_of(tx, list(rows.fetchall()))
         # With the COMMIT, right after it in the same round trip: the claim lock is
         # held for server time only, never for a round trip to a busy client.
         tx.defer(self._LOCK, (self.schema, pool))
         claim = tx.defer(sql, params, rows=True)
-        return lambda: self._with_payloads(None, claim.rows)
+        return lambda: self._payloads_of(None, claim.rows)
 
     # The claim's context (with a handler) and args, each NULL where the two
     # together exceed CLAIM_INLINE_BYTES (``octet_length`` reads a stored value's
-    # size, not the value); ``_with_payloads`` reads those.
+    # size, not the value); ``_payloads_of`` reads those.
     _SMALL = f"octet_length(args) + coalesce(octet_length(context), 0) <= {CLAIM_INLINE_BYTES}"
     _PAYLOADS = (
         f"CASE WHEN on_complete IS NOT NULL AND {_SMALL} THEN context END,"
         f" CASE WHEN {_SMALL} THEN args END"
     )
 
-    def _with_payloads(self, tx: Tx | None, rows: list[Any]) -> list[Any]:
+    def _payloads_of(self, tx: Tx | None, rows: list[Any]) -> list[Any]:
         """Claimed rows with the args and context that the claim left out read: in
         ``tx``, or (None) after the COMMIT, outside the claim lock, in a read of its
-        own. The rows are running under this claim and their payloads never change.
-        A row found missing gets args "" (the worker fails it as corrupt), as on
-        SQLite."""
-        left = [r[0] for r in rows if r[8] is None]
-        if not left:
-            return rows
+        own. The rows are running under this claim and their payloads never change."""
 
-        def read(rtx: Tx) -> dict[tuple[str, bool], str | None]:
-            # The args and the contexts as rows of their own: a message of 1.6 MB
-            # costs the server and psycopg more per byte than two of 800 KB (3
-            # rows of 800 KB args and 800 KB context: 11-12 -> 8.6-9 ms).
-            match, params = self._id_in("id", left)
-            found = self.q(
-                rtx,
-                f"SELECT id, false, args FROM {{s}}work WHERE {match} UNION ALL SELECT id,"
-                f" true, context FROM {{s}}work WHERE {match} AND on_complete IS NOT NULL",
-                [*params, *params],
-            )
-            return {(r[0], r[1]): r[2] for r in found.fetchall()}
+        def read(ids: list[str]) -> dict[str, tuple[str, str | None]]:
+            def select(rtx: Tx) -> dict[str, tuple[str, str | None]]:
+                # The args and the contexts as rows of their own: a message of 1.6 MB
+                # costs the server and psycopg more per byte than two of 800 KB (3
+                # rows of 800 KB args and 800 KB context: 11-12 -> 8.6-9 ms).
+                match, params = self._id_in("id", ids)
+                rows = self.q(
+                    rtx,
+                    f"SELECT id, false, args FROM {{s}}work WHERE {match} UNION ALL SELECT"
+                    f" id, true, context FROM {{s}}work WHERE {match} AND on_complete IS NOT NULL",
+                    [*params, *params],
+                ).fetchall()
+                contexts = {r[0]: r[2] for r in rows if r[1]}
+                return {r[0]: (r[2], contexts.get(r[0])) for r in rows if not r[1]}
 
-        got = read(tx) if tx is not None else self.run(read, readonly=True, snapshot=False)
-        out = []
-        for r in rows:
-            if r[8] is None:
-                r = (*r[:7], got.get((r[0], True)), got.get((r[0], False), ""), *r[9:])
-            out.append(r)
-        return out
+            if tx is not None:
+                return select(tx)
+            return self.run(select, readonly=True, snapshot=False)
+
+        return self._with_payloads(rows, read)
 
     def _pick(self, pool: str, free: str) -> str:
         """SQL for where the rows a claim takes from ``pool`` are (their ctid): its
@@ -607,7 +602,7 @@ class PostgresStore(SqlStore):
 
         def answer() -> dict[str, list[ClaimedWork]]:
             got: dict[str, list[ClaimedWork]] = {p: [] for p in pools}
-            for row in self._with_payloads(None, claim.rows):
+            for row in self._payloads_of(None, claim.rows):
                 got[row[9]].append(self._claimed_work(row[9], now, row))
             return got
 

@@ -438,23 +438,18 @@ class SqliteStore(SqlStore):
     def _payloads_of(self, tx: Tx, rows: list[Any]) -> list[Any]:
         """Claimed rows with the args (and the context, with a handler) of those
         whose payload is in payloads."""
-        elsewhere = [r[0] for r in rows if r[8] is None]
-        if not elsewhere:
-            return rows
-        found: dict[str, tuple[str, str | None]] = {}
-        for chunk in self.iter_chunks(elsewhere, IN_CHUNK):
-            marks = ", ".join("?" * len(chunk))
-            read = self.q(
-                tx, f"SELECT id, args, context FROM {{s}}payloads WHERE id IN ({marks})", chunk
-            )
-            found.update((r[0], (r[1], r[2])) for r in read.fetchall())
-        out = []
-        for r in rows:
-            if r[8] is None:
-                args, context = found.get(r[0], ("", None))
-                r = (*r[:7], None if r[6] is None else context, args)
-            out.append(r)
-        return out
+
+        def read(ids: list[str]) -> dict[str, tuple[str, str | None]]:
+            found: dict[str, tuple[str, str | None]] = {}
+            for chunk in self.iter_chunks(ids, IN_CHUNK):
+                marks = ", ".join("?" * len(chunk))
+                rows = self.q(
+                    tx, f"SELECT id, args, context FROM {{s}}payloads WHERE id IN ({marks})", chunk
+                )
+                found.update((r[0], (r[1], r[2])) for r in rows.fetchall())
+            return found
+
+        return self._with_payloads(rows, read)
 
     def finish_many(
         self, tx: Tx, items: Sequence[Finishing], now: float, *, at_commit: bool = False
