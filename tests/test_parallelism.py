@@ -62,6 +62,36 @@ def test_async_actions_never_exceed_limit_and_reach_it(app, rec: Recorder):
     ]
 
 
+def test_at_its_limit_a_freed_slot_is_refilled_on_the_thread_that_freed_it(app, rec: Recorder):
+    """With the completer idle, the thread whose sync action ended records it (its
+    on_complete runs there) and runs what its claim took next: no hand-off to the
+    completer and back to an executor thread while the pool waits."""
+    threads: dict[int, str] = {}
+
+    @app.action(name="step")
+    def step(i: int) -> int:
+        rec.enter(i=i)
+        threads[i] = threading.current_thread().name
+        time.sleep(0.01)
+        rec.leave()
+        return i
+
+    @app.mutation(name="noted")
+    def noted(tx, work_id, context, result):
+        rec.add(i=context, thread=threading.current_thread().name)
+
+    pool = app.pool("one_at_a_time", max_parallelism=1)
+    wids = [pool.enqueue_action(step, {"i": i}, on_complete=noted, context=i) for i in range(5)]
+    run_until_idle(app, concurrency=4)
+
+    assert rec.max_active == 1
+    handled = [c for c in rec.calls if "thread" in c]
+    assert sorted(c["i"] for c in handled) == list(range(5)), "on_complete once per item"
+    assert len(set(threads.values())) == 1, threads
+    assert {c["thread"] for c in handled} == set(threads.values())
+    assert [s.result for s in pool.status_batch(wids)] == [workpool.Success(i) for i in range(5)]
+
+
 def test_limit_is_per_pool(app, rec: Recorder):
     per_pool: dict[str, Recorder] = {"a": Recorder(), "b": Recorder()}
 

@@ -59,7 +59,7 @@ SHORT_POLL_S = 0.05
 JOINED_ARGS_MAX = 100_000
 
 
-_InTx = tuple[FnSpec, ClaimedWork, dict[str, Any]]  # a mutation or query to run
+_Task = tuple[FnSpec, ClaimedWork, dict[str, Any]]  # a function to call, its attempt and args
 
 
 @dataclass
@@ -107,6 +107,10 @@ class Worker:
             queue.SimpleQueue()
         )
         self._unrecorded: set[tuple[str, int]] = set()  # outcomes queued or being written
+        # Held by whoever records actions' outcomes: the completer, or the thread of a
+        # sync action that ended while the completer was idle (see ``_ended``).
+        self._leader = threading.Lock()
+        self._completer_idle = False  # the completer waits for outcomes, none queued
         self._reserved = 0  # local slots held by a claim in progress (dispatcher, completer)
         self._dry = False  # the dispatcher's last claim found nothing
         self._configs_due = 0.0  # when a claim reads the configs again (monotonic)
@@ -261,14 +265,15 @@ class Worker:
         with self._lock:
             self._reserved -= count
 
-    def _start_all(self, claimed: list[ClaimedWork]) -> None:
+    def _start_all(self, claimed: list[ClaimedWork], keep: bool = False) -> _Task | None:
         """Hand claimed attempts to the executor; async actions start on the loop together.
 
         Runs per claimed attempt, so what can be done once per batch is: one lock for
-        the in-flight table, one log-level check per pool.
+        the in-flight table, one log-level check per pool. ``keep``: the first sync
+        action is returned, not submitted, for the calling thread to run.
         """
         if not claimed:
-            return
+            return None
         now = time.monotonic()
         with self._lock:
             for work in claimed:
@@ -279,8 +284,9 @@ class Worker:
         executor = self.executor
         assert executor is not None
         coros = []
-        in_tx: list[_InTx] = []
+        in_tx: list[_Task] = []
         specs: dict[str, FnSpec | None] = {}
+        kept: _Task | None = None
         for work, args in zip(claimed, _decoded_args(claimed), strict=True):
             if work.pool in logged:
                 events.started(
@@ -301,12 +307,15 @@ class Worker:
                 in_tx.append((spec, work, args))
             elif spec.is_async:
                 coros.append(self._run_async(spec, work, args))
+            elif keep and kept is None:
+                kept = (spec, work, args)
             else:
                 executor.submit(partial(self._run_sync, spec, work, args))
         if coros:
             executor.submit_async(coros)
         if in_tx:  # one transaction for the claim's calls: measured best on both stores
             executor.submit(partial(self._run_in_tx, in_tx))
+        return kept
 
     def _claim_in(
         self, tx: Tx, *, free: int, freed: dict[str, int] | None = None
@@ -466,15 +475,18 @@ class Worker:
         return spec
 
     def _run_sync(self, spec: FnSpec, work: ClaimedWork, args: dict[str, Any]) -> None:
-        token = set_current(work.id, work.pool, work.fn_name, work.attempt)
-        started = time.monotonic()
-        try:
-            outcome = _returned(spec.fn(**args))
-        except BaseException as exc:  # SystemExit from user code too: never stall the pool
-            outcome = Raised(describe_error(exc), retryable=not is_non_retryable(exc))
-        finally:
-            reset_current(token)
-        self._ended(work, outcome, time.monotonic() - started)
+        task: _Task | None = (spec, work, args)
+        while task is not None:  # the next one, when this thread claimed it (``_ended``)
+            spec, work, args = task
+            token = set_current(work.id, work.pool, work.fn_name, work.attempt)
+            started = time.monotonic()
+            try:
+                outcome = _returned(spec.fn(**args))
+            except BaseException as exc:  # SystemExit from user code too: never stall the pool
+                outcome = Raised(describe_error(exc), retryable=not is_non_retryable(exc))
+            finally:
+                reset_current(token)
+            task = self._ended(work, outcome, time.monotonic() - started, inline=True)
 
     async def _run_async(self, spec: FnSpec, work: ClaimedWork, args: dict[str, Any]) -> None:
         token = set_current(work.id, work.pool, work.fn_name, work.attempt)
@@ -496,7 +508,7 @@ class Worker:
             reset_current(token)
         self._ended(work, outcome, time.monotonic() - started)
 
-    def _run_in_tx(self, items: list[_InTx]) -> None:
+    def _run_in_tx(self, items: list[_Task]) -> None:
         """Mutations and queries: each call commits with its completion, or neither does.
 
         A batch shares one transaction: one lock of its rows, one commit, and the
@@ -528,7 +540,7 @@ class Worker:
                     self._inflight.pop(key, None)
             self._recorded(keys, look)
 
-    def _commit_calls(self, items: list[_InTx], keys: list[tuple[str, int]]) -> bool:
+    def _commit_calls(self, items: list[_Task], keys: list[tuple[str, int]]) -> bool:
         """Run and record ``items``, claiming for the freed slots; whether the
         dispatcher should look for work (see ``_record``)."""
         reserved = [0]  # local slots held for the claim, set by the last pass
@@ -554,7 +566,7 @@ class Worker:
 
     def _run_calls(
         self,
-        items: list[_InTx],
+        items: list[_Task],
         keys: list[tuple[str, int]],
         optimistic: bool,
         known: dict[str, Raised],
@@ -672,12 +684,19 @@ class Worker:
             self._unrecorded.add((work.id, work.attempt))
         self._outcomes.put((work, outcome, duration))
 
-    def _ended(self, work: ClaimedWork, outcome: AttemptOutcome, duration: float) -> None:
+    def _ended(
+        self, work: ClaimedWork, outcome: AttemptOutcome, duration: float, inline: bool = False
+    ) -> _Task | None:
         """An attempt ended without a transaction of its own (an action returned, or
         it could not start): ``_report`` and the release of its slot under one lock.
 
         The dispatcher is not woken: the completer claims for this slot when it
-        records the outcome, and wakes it then.
+        records the outcome, and wakes it then. ``inline``: called on the thread
+        that ran a sync action. If the completer is idle, that thread records the
+        outcome itself and returns a sync action its claim took, to run next: two
+        thread wake-ups fewer between a job's end and the next one's start, which
+        is what a pool at its limit waits for. A busy completer gets the outcome
+        for its next batch (group commit), as before.
         """
         key = (work.id, work.attempt)
         with self._lock:
@@ -685,10 +704,18 @@ class Worker:
             fresh = entry is not None and not entry.reported
             if fresh:
                 self._unrecorded.add(key)
-        if fresh:
-            self._outcomes.put((work, outcome, duration))
-        else:
+        if not fresh:
             self.wake.set()  # reported at its timeout, recorded since: the slot is free now
+            return None
+        item = (work, outcome, duration)
+        if inline and self._completer_idle and self._leader.acquire(blocking=False):
+            try:
+                with self.store.batch_writes():
+                    return self._lead([item], keep=True)
+            finally:
+                self._leader.release()
+        self._outcomes.put(item)
+        return None
 
     def inflight_keys(self) -> set[tuple[str, int]]:
         """Attempts this worker is running or has outcomes of that are not yet recorded."""
@@ -715,28 +742,39 @@ class Worker:
 
     def _complete_outcomes(self) -> None:
         while True:
+            self._completer_idle = True
             first = self._outcomes.get()
+            self._completer_idle = False
             if first is None:
                 return
-            batch = [first]
-            while len(batch) < COMPLETE_BATCH:
-                try:
-                    item = self._outcomes.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    self._outcomes.put(None)
-                    break
-                batch.append(item)
-            # The slots these outcomes freed are refilled in the same transaction: one
-            # commit instead of two, and no wake-up between a finish and the next start.
-            free = 0 if self.stopping.is_set() else self._reserve()
-            look = True
+            with self._leader:
+                self._lead([first])
+
+    def _lead(
+        self, batch: list[tuple[ClaimedWork, AttemptOutcome, float]], keep: bool = False
+    ) -> _Task | None:
+        """Record ``batch`` and the outcomes queued behind it, with ``_leader`` held;
+        ``keep``: return a sync action the claim took for the caller to run, rather
+        than submit it."""
+        while len(batch) < COMPLETE_BATCH:
             try:
-                look = self._record(batch, free)
-            finally:
-                self._unreserve(free)
-            self._recorded([(w.id, w.attempt) for w, _, _ in batch], look)
+                item = self._outcomes.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                self._outcomes.put(None)
+                break
+            batch.append(item)
+        # The slots these outcomes freed are refilled in the same transaction: one
+        # commit instead of two, and no wake-up between a finish and the next start.
+        free = 0 if self.stopping.is_set() else self._reserve()
+        look, kept = True, None
+        try:
+            look, kept = self._record(batch, free, keep)
+        finally:
+            self._unreserve(free)
+        self._recorded([(w.id, w.attempt) for w, _, _ in batch], look)
+        return kept
 
     def _recorded(self, keys: list[tuple[str, int]], look: bool) -> None:
         """Attempts whose outcomes a transaction has recorded (completer, mutation
@@ -757,14 +795,18 @@ class Worker:
             self.wake.set()
 
     def _record(
-        self, batch: list[tuple[ClaimedWork, AttemptOutcome, float]], free: int = 0
-    ) -> bool:
+        self,
+        batch: list[tuple[ClaimedWork, AttemptOutcome, float]],
+        free: int = 0,
+        keep: bool = False,
+    ) -> tuple[bool, _Task | None]:
         """Record a batch of outcomes in one transaction, claiming up to ``free`` new
         attempts in it; on a non-transient error, one transaction per item (and no
         claim), so a single bad item cannot block the others.
 
-        Returns whether the dispatcher should look for work: False only when the
-        claim took all that the served pools would give.
+        Returns whether the dispatcher should look for work (False only when the
+        claim took all that the served pools would give), and with ``keep`` a sync
+        action the claim took, not submitted, for the caller to run.
         """
         delay = 0.05
         optimistic = True
@@ -781,8 +823,8 @@ class Worker:
                     )
                 )
                 claimed, more = answer()
-                self._start_all(claimed)
-                return more or free <= 0
+                kept = self._start_all(claimed, keep)
+                return more or free <= 0, kept
             except HandlerRaised as raised:
                 # That transaction rolled back whole: redo it with a savepoint per
                 # handler, recording this failure without calling the handler again.
@@ -792,11 +834,11 @@ class Worker:
                 continue
             except Exception as exc:
                 if self.force.is_set():
-                    return True  # leaving now: lease expiry hands these to a rescuer
+                    return True, None  # leaving now: lease expiry hands these to a rescuer
                 if len(batch) > 1 and not self.store.is_transient(exc):
                     for item in batch:
                         self._record([item])
-                    return True
+                    return True, None
                 events.worker_event(
                     "complete_failed",
                     40,
