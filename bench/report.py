@@ -23,6 +23,8 @@ ROWS: list[tuple[str, str, str, str]] = [
     ("latency", "enqueue_call_p50_ms", "single enqueue call p50 ms", "ms"),
     ("limit", "max_concurrency", "max concurrency (limit 5)", "count"),
     ("limit", "share_of_ideal", "throughput / ideal 250/s", "share"),
+    ("limit", "gap_ms", "slot idle between jobs ms", "ms"),
+    ("limit", "first_start_ms", "go -> first start ms", "ms"),
     ("retries", "rate", "jobs/s (2 fails + 1 success)", "rate"),
     ("retries", "exactly_once", "succeeded exactly once", "bool"),
     ("on_complete", "drain_rate", "drain jobs/s with on_complete", "rate"),

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from common import (
+    Rec,
     RecordReader,
     WorkerProcs,
     max_overlap,
@@ -192,22 +193,44 @@ def w_idle(system: System, ctx: Ctx) -> dict[str, Any]:
     return out
 
 
+def slot_use(ok: list[Rec], limit: int, wall0: float, wall1: float) -> dict[str, float]:
+    """Where the limit workload's time went, from the jobs' own start and end times:
+    the wait for the first start after the go, the mean job (its sleep and the
+    record), the mean idle time of a slot between one job's end and the next one's
+    start, and the time from the last end until the drain was seen. Together they
+    make up the run: the share of the ideal throughput is what they leave."""
+    if not ok:
+        return {}
+    first, last = min(r.t0 for r in ok), max(r.t1 for r in ok)
+    busy = sum(r.t1 - r.t0 for r in ok)
+    return {
+        "first_start_ms": (first - wall0) * 1e3,
+        "job_ms": busy / len(ok) * 1e3,
+        "gap_ms": (limit * (last - first) - busy) / max(len(ok) - limit, 1) * 1e3,
+        "tail_ms": (wall1 - last) * 1e3,
+    }
+
+
 def w_limit(system: System, ctx: Ctx) -> dict[str, Any]:
     n, limit, ms = int(ctx.params["n"]), int(ctx.params["limit"]), float(ctx.params["ms"])
     enqueue_all(system, "sleep", [{"i": i, "ms": ms} for i in range(n)], 400)
     workers = ctx.start(system)
+    wall0 = time.time()
     t0 = time.perf_counter()
     workers.go()
     t1 = ctx.wait_drained(system, n, t0)
+    wall1 = time.time()
     ctx.reader.poll()
     check = verify_once(ctx.reader.records, n)
     ideal = limit * 1000.0 / ms
+    ok = [r for r in ctx.reader.records if r.ok]
     out: dict[str, Any] = {
-        "max_concurrency": max_overlap([r for r in ctx.reader.records if r.ok]),
+        "max_concurrency": max_overlap(ok),
         "limit": limit,
         "ideal_rate": ideal,
         "workers": ctx.worker_count,
         **check,
+        **slot_use(ok, limit, wall0, wall1),
     }
     if t1 is None:
         out["error"] = "timeout"
