@@ -14,6 +14,7 @@ import pytest
 import workpool
 from conftest import Recorder, assert_pool_empty, background_worker, run_until_idle, wait_for
 from workpool import NonRetryableError, RetryBehavior
+from workpool.pool import CANCEL_PAGE
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -253,12 +254,14 @@ def test_cancel_all_limit_counts_items_in_total(app):
         pass
 
     pool = app.pool("cancel_all")
-    wids = pool.enqueue_action_batch(job, [{}] * 150, run_after=60)
-    assert pool.cancel_all(limit=70) == 70
+    # The limit ends inside the second page; what is left, inside the third.
+    total, limit = 2 * CANCEL_PAGE + 22, CANCEL_PAGE + 6
+    wids = pool.enqueue_action_batch(job, [{}] * total, run_after=60)
+    assert pool.cancel_all(limit=limit) == limit
     statuses = pool.status_batch(wids)
-    assert sum(s.state == "finished" for s in statuses) == 70
-    assert sum(s.state == "pending" for s in statuses) == 80
-    assert pool.cancel_all(limit=1000) == 80
+    assert sum(s.state == "finished" for s in statuses) == limit
+    assert sum(s.state == "pending" for s in statuses) == total - limit
+    assert pool.cancel_all(limit=10 * total) == total - limit
     assert all(s.state == "finished" for s in pool.status_batch(wids))
 
 
