@@ -254,7 +254,7 @@ def test_cancel_all_limit_counts_items_in_total(app):
         pass
 
     pool = app.pool("cancel_all")
-    # The limit ends inside the second page; what is left, inside the third.
+    # The limit ends inside the second page; the rest takes a full page and part of one.
     total, limit = 2 * CANCEL_PAGE + 22, CANCEL_PAGE + 6
     wids = pool.enqueue_action_batch(job, [{}] * total, run_after=60)
     assert pool.cancel_all(limit=limit) == limit
