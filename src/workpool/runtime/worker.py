@@ -3,7 +3,8 @@
 Threads of one worker process (each loop owns its own store connection):
   dispatcher   (the caller's thread) claims attempts when local capacity is free
   executor     runs actions (threads / one event loop) and mutations/queries
-  completer    records action outcomes in batches, with on_complete, per transaction
+  completer    records action outcomes in batches, with on_complete, per transaction;
+               while it is idle, a sync action's own thread records its outcome
   maintenance  heartbeats, rescues lost work, retries handlers, reports, prunes
   watcher      turns other processes' commits into wake-ups
 """
@@ -111,7 +112,7 @@ class Worker:
         # sync action that ended while the completer was idle (see ``_ended``).
         self._leader = threading.Lock()
         self._completer_idle = False  # the completer waits for outcomes, none queued
-        self._reserved = 0  # local slots held by a claim in progress (dispatcher, completer)
+        self._reserved = 0  # local slots held by a claim in progress (dispatcher, recorder)
         self._dry = False  # the dispatcher's last claim found nothing
         self._configs_due = 0.0  # when a claim reads the configs again (monotonic)
         self._parked = False  # the dispatcher sleeps the idle poll until the completer wakes it
@@ -212,11 +213,12 @@ class Worker:
         """Claim and start what fits; how long to wait for a wake-up (None: idle, leave)."""
         with self._lock:
             recheck, self._recheck = self._recheck, False
-            # The completer claims for the freed slots in the transaction that records
-            # these outcomes, then wakes us: a claim of our own now would only compete.
-            # With every slot busy, a finishing attempt's record wakes us. Either way
-            # we are parked: the completer must wake us even if its claim found all
-            # there was, to compute when the next work is due.
+            # Whoever records these outcomes (the completer, or an action's own thread)
+            # claims for the freed slots in that transaction, then wakes us: a claim of
+            # our own now would only compete. With every slot busy, a finishing
+            # attempt's record wakes us. Either way we are parked: the record must wake
+            # us even if its claim found all there was, to compute when the next work
+            # is due.
             free = 0 if self._unrecorded else self._reserve_locked()
             self._parked = free <= 0
             if self._parked:
@@ -777,8 +779,8 @@ class Worker:
         return kept
 
     def _recorded(self, keys: list[tuple[str, int]], look: bool) -> None:
-        """Attempts whose outcomes a transaction has recorded (completer, mutation
-        batch); ``look``: whether the dispatcher should look for work.
+        """Attempts whose outcomes a transaction has recorded (completer, an action's
+        own thread, mutation batch); ``look``: whether the dispatcher should look for work.
 
         The dispatcher may have waited for this record: a parked one is woken by it
         alone (the watcher lets commits pass meanwhile). When the record's claim
