@@ -790,7 +790,15 @@ class Worker:
         """
         with self._lock:
             self._unrecorded.difference_update(keys)
-            wake = look or self.options.until_idle or self._parked
+            # A parked dispatcher that would find no free slot only parks again (a
+            # pool at its limit, whose records refill each slot, woke it at every
+            # one): whoever ends or records the attempts holding them wakes it then.
+            parked = (
+                self._parked
+                and not self._unrecorded
+                and self._reserved + len(self._inflight) < self.options.concurrency
+            )
+            wake = look or self.options.until_idle or parked
             if not look and self._parked:
                 self._recheck = True
         if wake:
