@@ -431,9 +431,17 @@ class SqliteStore(SqlStore):
             rows = self._payloads_of(tx, self.q(tx, self._SQLITE_CLAIM, params).fetchall())
             return lambda: rows
         claim = tx.defer(self._sql(self._SQLITE_CLAIM), params, rows=True)
+
         # Payloads are read after the COMMIT, outside the write lock: written once at
         # enqueue, they change no more, and go only with their finished row's pruning.
-        return lambda: self.run(lambda rtx: self._payloads_of(rtx, claim.rows), readonly=True)
+        # Rows that hold their own args (all but old ones) need no read transaction.
+        def answer() -> list[Any]:
+            rows = list(claim.rows)
+            if not self._left_out(rows):
+                return rows
+            return self.run(lambda rtx: self._payloads_of(rtx, rows), readonly=True)
+
+        return answer
 
     def _payloads_of(self, tx: Tx, rows: list[Any]) -> list[Any]:
         """Claimed rows with the args (and the context, with a handler) of those
