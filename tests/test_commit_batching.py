@@ -59,6 +59,42 @@ def test_a_claim_for_the_commit_exists_only_once_committed(app):
     assert [app.pool("later").status(i).state for i in ids] == ["running", "running", "pending"]
 
 
+def test_a_claims_answer_reads_only_the_payloads_it_left_out(app, monkeypatch):
+    """Small args come with the claim's rows: reading its answer after the COMMIT
+    opens no transaction. Args kept apart (over SQLite's 512 characters, over
+    PostgreSQL's 8 KB) are read then, in one transaction, and come back whole."""
+    store = app.store
+
+    @app.action(name="noop")
+    def noop(**_: object) -> None:
+        pass
+
+    pool = app.pool("answer", max_parallelism=100)
+    small = pool.enqueue_action_batch("noop", [{"i": i} for i in range(3)])
+    big_args = {"pad": "x" * 10_000}
+    later = time.time() + 60
+    big = pool.enqueue_action("noop", big_args, run_at=later)
+    opened: list[bool] = []
+    run = store.run
+
+    def counting_run(fn, **kwargs):
+        opened.append(kwargs.get("readonly", False))
+        return run(fn, **kwargs)
+
+    answer = store.run(lambda tx: store.claim_later(tx, "answer", 10, "w", time.time()))
+    monkeypatch.setattr(store, "run", counting_run)
+    assert sorted(w.id for w in answer()) == sorted(small)
+    assert opened == [], "small args need no read after the COMMIT"
+
+    monkeypatch.setattr(store, "run", run)
+    answer = store.run(lambda tx: store.claim_later(tx, "answer", 10, "w", later + 1))
+    monkeypatch.setattr(store, "run", counting_run)
+    claimed = answer()
+    assert [w.id for w in claimed] == [big]
+    assert json.loads(claimed[0].args) == big_args
+    assert opened == [True], "one read transaction for the payload left out"
+
+
 def test_rows_of_a_deferred_statement_are_read_after_the_commit(app):
     store = app.store
     seen = {}

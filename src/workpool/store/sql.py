@@ -380,18 +380,13 @@ class SqlStore(SqlReads, Store):
         raise NotImplementedError
 
     @staticmethod
-    def _left_out(rows: list[Any]) -> list[str]:
-        """The ids of claimed rows whose args the claim left out (NULL)."""
-        return [r[0] for r in rows if r[8] is None]
-
-    @staticmethod
     def _with_payloads(
         rows: list[Any], read: Callable[[list[str]], dict[str, tuple[str, str | None]]]
     ) -> list[Any]:
         """Claimed rows whose args the claim left out (NULL) with the (args, context)
         that ``read`` finds for their ids; the context only with a handler, and args
         "" for a row ``read`` did not find (the worker fails it as corrupt)."""
-        left = SqlStore._left_out(rows)
+        left = [r[0] for r in rows if r[8] is None]
         if not left:
             return rows
         found = read(left)

@@ -431,31 +431,31 @@ class SqliteStore(SqlStore):
             rows = self._payloads_of(tx, self.q(tx, self._SQLITE_CLAIM, params).fetchall())
             return lambda: rows
         claim = tx.defer(self._sql(self._SQLITE_CLAIM), params, rows=True)
-
         # Payloads are read after the COMMIT, outside the write lock: written once at
         # enqueue, they change no more, and go only with their finished row's pruning.
-        # Rows that hold their own args (all but old ones) need no read transaction.
-        def answer() -> list[Any]:
-            rows = list(claim.rows)
-            if not self._left_out(rows):
-                return rows
-            return self.run(lambda rtx: self._payloads_of(rtx, rows), readonly=True)
+        return lambda: self._payloads_of(None, claim.rows)
 
-        return answer
-
-    def _payloads_of(self, tx: Tx, rows: list[Any]) -> list[Any]:
+    def _payloads_of(self, tx: Tx | None, rows: list[Any]) -> list[Any]:
         """Claimed rows with the args (and the context, with a handler) of those
-        whose payload is in payloads."""
+        whose payload is in payloads: read in ``tx``, or (None) in a read transaction
+        of its own, opened only when some row's payload is there (over INLINE_CHARS,
+        or written before migration 4): a claim of small payloads saves its BEGIN
+        and COMMIT."""
 
-        def read(ids: list[str]) -> dict[str, tuple[str, str | None]]:
+        def select(rtx: Tx, ids: list[str]) -> dict[str, tuple[str, str | None]]:
             found: dict[str, tuple[str, str | None]] = {}
             for chunk in self.iter_chunks(ids, IN_CHUNK):
                 marks = ", ".join("?" * len(chunk))
                 rows = self.q(
-                    tx, f"SELECT id, args, context FROM {{s}}payloads WHERE id IN ({marks})", chunk
+                    rtx, f"SELECT id, args, context FROM {{s}}payloads WHERE id IN ({marks})", chunk
                 )
                 found.update((r[0], (r[1], r[2])) for r in rows.fetchall())
             return found
+
+        def read(ids: list[str]) -> dict[str, tuple[str, str | None]]:
+            if tx is not None:
+                return select(tx, ids)
+            return self.run(lambda rtx: select(rtx, ids), readonly=True)
 
         return self._with_payloads(rows, read)
 
