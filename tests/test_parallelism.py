@@ -397,3 +397,34 @@ def test_due_work_that_cannot_start_does_not_keep_the_worker_busy(app, blocked_b
         app.store.run = real_run
     # Maintenance reads about ten times a second; polling would be ~1,500 here.
     assert seen < 150, f"{seen} store transactions in 1.5 s while nothing could start"
+
+
+def test_a_worker_at_its_limit_hands_slots_over_without_waking_its_dispatcher(
+    app, rec: Recorder, monkeypatch
+):
+    """Each end of an attempt at the limit is recorded with the claim of the next
+    one, in one transaction: the dispatcher, parked with every local slot busy,
+    has nothing to do. It used to be woken by every record (about one pass per
+    job), only to park again."""
+    from workpool.runtime.worker import Worker
+
+    passes = [0]
+    dispatch_once = Worker._dispatch_once
+
+    def counted(self: Worker) -> float | None:
+        passes[0] += 1
+        return dispatch_once(self)
+
+    monkeypatch.setattr(Worker, "_dispatch_once", counted)
+
+    @app.action(name="nap")
+    def nap(i: int) -> None:
+        rec.add(i=i)
+        time.sleep(0.01)
+
+    pool = app.pool("handover", max_parallelism=2)
+    ids = pool.enqueue_action_batch(nap, [{"i": i} for i in range(40)])
+    with background_worker(app, concurrency=2, pools=["handover"]):
+        wait_for(lambda: all(finished(pool, wid) for wid in ids), timeout=30)
+    assert sorted(rec.values("i")) == list(range(40))
+    assert passes[0] < 20, f"{passes[0]} dispatcher passes for 40 hand-overs"
