@@ -316,3 +316,29 @@ def test_start_lag_is_start_time_minus_due_time(app, caplog):
     started = [e for e in events_of(caplog, "started") if e["work_id"] == wid]
     assert len(started) == 1
     assert 0.5 <= started[0]["start_lag"] < 10
+
+
+def test_the_first_maintenance_round_does_not_heartbeat_again(app):
+    """A worker heartbeats itself before its first claim; its maintenance then
+    heartbeats a lease/3 later, not in its first round, whose transactions would
+    run beside that claim."""
+    from workpool.runtime.worker import Worker, WorkerOptions
+
+    store = app.store
+    app.pool("beat").configure()
+    clock = [1_000_000.0]
+    options = WorkerOptions(pools=["beat"], lease=15.0)
+    worker = Worker(store, app.registry, options, lambda: clock[0])
+    worker.configs = {c.name: c for c in store.run(store.load_pools)}
+
+    def beat() -> float:
+        sql = f"SELECT heartbeat_at FROM {store.table_prefix}workers WHERE id = '{worker.info.id}'"
+        return float(store.run(lambda tx: tx.execute(sql).fetchone())[0])
+
+    worker.maintenance.heartbeat(clock[0])  # as Worker.run does before its first claim
+    clock[0] += 0.1
+    worker.maintenance.tick(clock[0])
+    assert beat() == 1_000_000.0, "the first round heartbeat again"
+    clock[0] = 1_000_000.0 + options.lease / 3
+    worker.maintenance.tick(clock[0])
+    assert beat() == clock[0], "the next heartbeat is due a third of the lease later"
