@@ -17,7 +17,7 @@ from conftest import run_until_idle
 from workpool.core.ids import new_work_ids
 from workpool.core.results import success_json
 from workpool.pool import STREAM_CHUNK
-from workpool.store.base import NewWork
+from workpool.store.base import NewBatch, NewWork
 
 ODD_TEXT = 'quote " backslash \\ newline \n é 雪 \u2028 {"not": "json"}'
 
@@ -32,6 +32,52 @@ def test_a_batch_runs_in_the_order_of_its_items(app, rec):
     assert ids == sorted(ids)
     run_until_idle(app, concurrency=1)
     assert rec.values("i") == list(range(40))
+
+
+def test_a_new_batch_is_the_sequence_of_its_items():
+    ids = new_work_ids(3)
+    batch = NewBatch(
+        ids, ['{"i": 0}', '{"i": 1}', '{"i": 2}'], "p", "action", "f", "h", '{"c": 1}', None,
+        5.0, 10.0, 9.0,
+    )  # fmt: skip
+    items = [
+        NewWork(w, "p", "action", "f", f'{{"i": {k}}}', "h", '{"c": 1}', None, 5.0, 10.0, 9.0)
+        for k, w in enumerate(ids)
+    ]
+    assert len(batch) == 3
+    assert list(batch) == items
+    assert batch[-1] == items[2]
+    tail = batch[1:]
+    assert isinstance(tail, NewBatch)
+    assert list(tail) == items[1:]
+
+
+def test_a_batch_of_small_and_big_args_comes_back_whole(app, rec):
+    """One enqueue whose args fall on both sides of the size up to which a store
+    keeps them in the work row, with a context for its handler: every item runs
+    with its own args, and its handler gets the context."""
+
+    @app.action(name="sized")
+    def sized(i: int, text: str) -> int:
+        rec.add(i=i, size=len(text))
+        return i
+
+    @app.mutation(name="sized_done")
+    def sized_done(tx, work_id, context, result):
+        rec.add(done=result.return_value, context=context)
+
+    sizes = [0, 10, 480, 505, 520, 4_000, 9_000, 20_000]
+    pool = app.pool("sized")
+    args = [{"i": i, "text": ODD_TEXT + "x" * size} for i, size in enumerate(sizes)]
+    context = {"note": ODD_TEXT}
+    ids = pool.enqueue_action_batch(sized, args, on_complete=sized_done, context=context)
+    run_until_idle(app)
+    ran = sorted((c["i"], c["size"]) for c in rec.calls if "size" in c)
+    assert ran == [(i, len(ODD_TEXT) + size) for i, size in enumerate(sizes)]
+    done = sorted((c["done"], c["context"] == context) for c in rec.calls if "done" in c)
+    assert done == [(i, True) for i in range(len(sizes))]
+    for i, work_id in enumerate(ids):
+        assert pool.status(work_id) == workpool.Finished(workpool.Success(i))
 
 
 @pytest.fixture(params=[True, False], ids=["json", "per-row"])

@@ -34,7 +34,7 @@ from workpool.core.validation import (
 from workpool.observability import events
 from workpool.observability.stats import PoolStats, counters_stats, pool_stats
 from workpool.runtime.completion import Changes
-from workpool.store.base import Counters, FnKind, NewWork, PoolConfig, StatusRow, Tx
+from workpool.store.base import Counters, FnKind, NewBatch, PoolConfig, StatusRow, Tx
 
 if TYPE_CHECKING:
     from workpool.app import App
@@ -386,7 +386,7 @@ class Pool:
         # in the caller's transaction the rows must be there for what follows.
         alone = tx is None
 
-        def made(config: PoolConfig, start: int, texts: list[str]) -> list[NewWork]:
+        def made(config: PoolConfig, start: int, texts: list[str]) -> NewBatch:
             behavior = None
             if kind == "action":
                 behavior = resolve_retry(
@@ -394,24 +394,21 @@ class Pool:
                     default=config.default_retry,
                     retry_by_default=config.retry_actions_by_default,
                 )
-            return [
-                NewWork(
-                    id=work_id,
-                    pool=self.name,
-                    kind=kind,
-                    fn_name=spec.name,
-                    args=payload,
-                    on_complete=handler,
-                    context=context_json,
-                    retry=behavior,
-                    timeout=timeout_s,
-                    due_at=due_at,
-                    enqueued_at=now,
-                )
-                for work_id, payload in zip(ids[start:], texts, strict=False)
-            ]
+            return NewBatch(
+                ids=ids[start : start + len(texts)],
+                args=texts,
+                pool=self.name,
+                kind=kind,
+                fn_name=spec.name,
+                on_complete=handler,
+                context=context_json,
+                retry=behavior,
+                timeout=timeout_s,
+                due_at=due_at,
+                enqueued_at=now,
+            )
 
-        def items(config: PoolConfig, start: int) -> list[NewWork]:
+        def items(config: PoolConfig, start: int) -> NewBatch:
             return made(config, start, payloads[start : start + ENQUEUE_CHUNK])
 
         def streamed(tx: Tx, read: bool = False) -> Callable[[], PoolConfig | None]:

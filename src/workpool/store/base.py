@@ -6,8 +6,8 @@ import abc
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, TypeVar, overload
 
 from workpool.core import histogram
 from workpool.core.results import WorkInfo
@@ -205,7 +205,7 @@ class PoolConfig:
     paused_from: int | None = None  # the limit before a pause(); resume() restores it
 
 
-# Not frozen, like ClaimedWork: a batch enqueue builds one per item.
+# Not frozen, like ClaimedWork: treat it as read-only.
 @dataclass(slots=True)
 class NewWork:
     id: str
@@ -219,6 +219,52 @@ class NewWork:
     timeout: float | None
     due_at: float
     enqueued_at: float
+
+
+@dataclass(slots=True)
+class NewBatch(Sequence[NewWork]):
+    """New work items alike in all but their ids and args (``args[i]`` goes with
+    ``ids[i]``): what one enqueue call makes, kept by column. The stores insert it
+    from its columns: building a NewWork per item, which they took apart again, was
+    1.7 of the 13-15 us that a batch enqueue on SQLite cost an item."""
+
+    ids: Sequence[str]
+    args: Sequence[str]  # JSON
+    pool: str
+    kind: FnKind
+    fn_name: str
+    on_complete: str | None
+    context: str | None  # JSON
+    retry: RetryBehavior | None
+    timeout: float | None
+    due_at: float
+    enqueued_at: float
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @overload
+    def __getitem__(self, index: int) -> NewWork: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> NewBatch: ...
+
+    def __getitem__(self, index: int | slice) -> NewWork | NewBatch:
+        if isinstance(index, slice):
+            return replace(self, ids=self.ids[index], args=self.args[index])
+        return NewWork(
+            self.ids[index],
+            self.pool,
+            self.kind,
+            self.fn_name,
+            self.args[index],
+            self.on_complete,
+            self.context,
+            self.retry,
+            self.timeout,
+            self.due_at,
+            self.enqueued_at,
+        )
 
 
 # Not frozen: one is built per claimed attempt, and a frozen dataclass's __init__

@@ -15,6 +15,7 @@ from workpool.store.base import (
     ActiveWork,
     ClaimedWork,
     Handing,
+    NewBatch,
     NewWork,
     PoolConfig,
     Retrying,
@@ -275,17 +276,33 @@ class SqlStore(SqlReads, Store):
 
     # --- work ---------------------------------------------------------------------------------
     def insert_work(self, tx: Tx, items: Sequence[NewWork], *, at_commit: bool = False) -> None:
-        self._insert_rows(tx, self._work_rows(items), at_commit)
+        self._insert_columns(tx, self._work_columns(items), at_commit)
 
-    def _insert_rows(self, tx: Tx, rows: list[tuple[Any, ...]], at_commit: bool) -> None:
-        """Insert new pending work: rows as ``_work_rows`` makes them (id, pool, kind,
-        fn_name, args, on_complete, context, retry, timeout, due_at, enqueued_at)."""
+    def _insert_columns(self, tx: Tx, columns: list[Sequence[Any]], at_commit: bool) -> None:
+        """Insert new pending work, given by column as ``_work_columns`` makes them."""
         raise NotImplementedError
 
     @staticmethod
-    def _work_rows(items: Sequence[NewWork]) -> list[tuple[Any, ...]]:
+    def _work_columns(items: Sequence[NewWork]) -> list[Sequence[Any]]:
+        """The work table's columns for new items, each as long as ``items``: id,
+        pool, kind, fn_name, args, on_complete, context, retry (as JSON), timeout,
+        due_at, enqueued_at. A NewBatch's shared values are one object repeated, so
+        that telling a column of one value costs a pass of identity checks."""
+        if isinstance(items, NewBatch):
+            n = len(items.ids)
+            shared = (items.on_complete, items.context, _retry_json(items.retry), items.timeout)
+            return [
+                items.ids,
+                [items.pool] * n,
+                [items.kind] * n,
+                [items.fn_name] * n,
+                items.args,
+                *([value] * n for value in shared),
+                [items.due_at] * n,
+                [items.enqueued_at] * n,
+            ]
         retry_text: dict[RetryBehavior | None, str | None] = {}  # one encoding per batch
-        return [
+        rows = [
             (
                 w.id,
                 w.pool,
@@ -303,6 +320,7 @@ class SqlStore(SqlReads, Store):
             )
             for w in items
         ]
+        return [list(column) for column in zip(*rows, strict=True)] if rows else [[]] * 11
 
     def _executemany(self, tx: Tx, sql: str, rows: list[tuple[Any, ...]]) -> None:
         if len(rows) == 1:  # a single enqueue's rows: execute costs less than executemany

@@ -638,9 +638,9 @@ class PostgresStore(SqlStore):
         ("enqueued_at", "float8"),
     )
 
-    def _insert_rows(self, tx: Tx, rows: list[tuple[Any, ...]], at_commit: bool) -> None:
-        if rows:
-            sql, params = self._insert_statement(tx, rows)
+    def _insert_columns(self, tx: Tx, columns: list[Sequence[Any]], at_commit: bool) -> None:
+        if columns[0]:
+            sql, params = self._insert_statement(tx, columns)
             self._write(tx, sql, params, at_commit=at_commit)  # at commit: one round trip less
 
     # The pool's config, as _POOL_COLUMNS, compared whole: any change sends the
@@ -663,10 +663,10 @@ class PostgresStore(SqlStore):
         # The check, the insert and the notification are one statement, sent with the
         # COMMIT; when nothing else was sent, it goes alone, as its own transaction:
         # the whole enqueue is one statement and one round trip.
-        rows = self._work_rows(items)
-        if not rows:
+        columns = self._work_columns(items)
+        if not columns[0]:
             return lambda: True
-        insert, params = self._insert_statement(tx, rows, " WHERE (SELECT same FROM ok)")
+        insert, params = self._insert_statement(tx, columns, " WHERE (SELECT same FROM ok)")
         sql = f"WITH ok AS ({self._SAME_POOL.format(p=self.table_prefix)}), new AS ({insert})"
         params = [*self._pool_params(config), *params]
         answer = " SELECT same FROM ok"
@@ -682,18 +682,18 @@ class PostgresStore(SqlStore):
         return lambda: bool(check.rows[0][0])
 
     def _insert_statement(
-        self, tx: Tx, rows: list[tuple[Any, ...]], where: str = ""
+        self, tx: Tx, columns: list[Sequence[Any]], where: str = ""
     ) -> tuple[str, list[Any]]:
         # One statement over arrays instead of one per row: a batch of 1,000 is one
         # round trip and one plan. Columns equal in every row (pool, function, times
         # of a batch) go as one value, not as an array of 1,000 copies.
-        columns = list(zip(*rows, strict=True))
+        n = len(columns[0])
         # Per column: None for one value, else the array expression and its parameter.
         # A single row takes no arrays at all: psycopg dumps eleven values instead of
         # building eleven arrays, and the server has none to split and unnest (a
         # single enqueue: 2.56 -> 2.14 ms, medians of 6 interleaved runs).
         shapes = [
-            None if column.count(column[0]) == len(rows) else array_param(column, kind)
+            None if column.count(column[0]) == n else array_param(column, kind)
             for column, (_, kind) in zip(columns, self._INSERTED, strict=True)
         ]
         exprs = tuple(None if shape is None else shape[0] for shape in shapes)

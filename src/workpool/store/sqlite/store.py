@@ -40,8 +40,8 @@ LOCK_WAIT_MAX_S = 0.002
 # on their maintenance thread instead (``checkpoint``); this is the backstop for a
 # store no worker serves, at 10 times SQLite's default (40 MB of WAL).
 WAL_BACKSTOP_PAGES = 10_000
-# The work table's columns in the rows that _work_rows makes, but args and context:
-# the id first.
+# The work table's columns that _work_columns makes, but args and context: the id
+# first.
 _WORK_COLUMNS = (0, 1, 2, 3, 5, 7, 8, 9, 10)
 # Args and context up to this many characters together stay in the work row: small
 # enough that a row holding them is rewritten whole on each update at no real cost
@@ -341,12 +341,17 @@ class SqliteStore(SqlStore):
         " THEN (SELECT p.context FROM {s}payloads p WHERE p.id = w.id) ELSE w.context END",
     }
 
-    def _insert_rows(self, tx: Tx, rows: list[tuple[Any, ...]], at_commit: bool) -> None:
+    def _insert_columns(self, tx: Tx, columns: list[Sequence[Any]], at_commit: bool) -> None:
         # Written at once even when they could wait: there is no round trip to save.
         # A retry after an ambiguous commit must not fail on ids it may have written.
-        if not rows:
+        ids, args, contexts = columns[0], columns[4], columns[6]
+        if not ids:
             return
-        big = [r for r in rows if len(r[4]) + len(r[6] or "") > INLINE_CHARS]
+        big = [
+            k
+            for k, (text, context) in enumerate(zip(args, contexts, strict=True))
+            if len(text) + len(context or "") > INLINE_CHARS
+        ]
         if big:
             self._executemany(
                 tx,
@@ -354,11 +359,17 @@ class SqliteStore(SqlStore):
                     "INSERT INTO {s}payloads (id, context, args) VALUES (?, ?, ?)"
                     " ON CONFLICT (id) DO NOTHING"
                 ),
-                [(r[0], r[6], r[4]) for r in big],
+                [(ids[k], contexts[k], args[k]) for k in big],
             )
-            gone = {r[0] for r in big}
-            rows = [(*r[:4], None, r[5], None, *r[7:]) if r[0] in gone else r for r in rows]
-        if len(rows) > 1 and self._has_json(tx) and _differ_only_in_ids(rows):
+            inline_args, inline_contexts = list(args), list(contexts)
+            for k in big:
+                inline_args[k] = inline_contexts[k] = None
+            args, contexts = inline_args, inline_contexts
+        if (
+            len(ids) > 1
+            and self._has_json(tx)
+            and all(columns[i].count(columns[i][0]) == len(ids) for i in _WORK_COLUMNS[1:])
+        ):
             # One statement over a JSON array of (id, args, context), where executemany
             # binds 11 values a row (4.3 -> 2.0 us a row). Texts as JSON strings, so
             # that json_extract gives them back exactly. "WHERE true" tells SQLite's
@@ -372,8 +383,8 @@ class SqliteStore(SqlStore):
                 " json_extract(value, '$[2]') FROM json_each(?) WHERE true"
                 " ON CONFLICT (id) DO NOTHING",
                 (
-                    *(rows[0][i] for i in _WORK_COLUMNS[1:]),
-                    json.dumps([(r[0], r[4], r[6]) for r in rows]),
+                    *(columns[i][0] for i in _WORK_COLUMNS[1:]),
+                    json.dumps(list(zip(ids, args, contexts, strict=True))),
                 ),
             )
             return
@@ -386,7 +397,7 @@ class SqliteStore(SqlStore):
                 " VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', ?, 0, 0, 0, 0, ?, ?, ?)"
                 " ON CONFLICT (id) DO NOTHING"
             ),
-            [(*(r[i] for i in _WORK_COLUMNS), r[4], r[6]) for r in rows],
+            list(zip(*(columns[i] for i in _WORK_COLUMNS), args, contexts, strict=True)),
         )
 
     def _has_json(self, tx: Tx) -> bool:
@@ -665,12 +676,6 @@ class SqliteStore(SqlStore):
             self.q(tx, f"DELETE FROM {{s}}finished WHERE id IN ({marks})", chunk)
             self.q(tx, f"DELETE FROM {{s}}payloads WHERE id IN ({marks})", chunk)
         return len(ids)
-
-
-def _differ_only_in_ids(rows: list[tuple[Any, ...]]) -> bool:
-    """Whether a batch's rows hold the same value in every work column but the id."""
-    columns = list(zip(*rows, strict=True))
-    return all(columns[i].count(columns[i][0]) == len(rows) for i in _WORK_COLUMNS[1:])
 
 
 def _end(conn: sqlite3.Connection, tx: Tx, commit: bool) -> None:
