@@ -144,6 +144,38 @@ def test_successes_are_counted_once_in_the_buckets_of_histogram_bucket(app):
     assert counted.lag_sum == pytest.approx(sum(lags))
 
 
+@pytest.mark.parametrize("json_arrays", [True, False], ids=["json", "per-row"])
+def test_one_success_finishes_its_row_only_for_its_current_attempt(app, json_arrays: bool):
+    """A batch of one (a pool at its limit hands its slots over one at a time): a
+    stale attempt's success leaves the row running, uncounted; the current one's
+    finishes it with its result, counted once; the same outcome again takes nothing."""
+    if not json_arrays:
+        _no_json(app)
+    store = app.store
+    (wid, other) = _pending(app, "one", 2)
+    assert len(store.run(lambda tx: store.claim(tx, "one", 2, "w1", 1.0))) == 2
+    now = time.time()
+    pool = app.pool("one")
+
+    def finish(attempt: int, value: str) -> list[tuple[str, int]]:
+        item = [(wid, attempt, success_json(value), "one", 1.0)]
+        return store.run(lambda tx: store.finish_succeeded(tx, item, now, "w1"))()
+
+    def counted() -> tuple[int, int]:
+        got = store.run(lambda tx: store.read_counters(tx, "one", minute_of(now)), readonly=True)
+        return got.completed, got.succeeded
+
+    assert finish(2, '"stale"') == []
+    assert isinstance(pool.status(wid), workpool.Running)
+    assert counted() == (0, 0)
+    assert finish(1, '"live"') == [(wid, 1)]
+    assert pool.status(wid) == workpool.Finished(workpool.Success("live"))
+    assert finish(1, '"again"') == []
+    assert pool.status(wid) == workpool.Finished(workpool.Success("live"))
+    assert counted() == (1, 1)
+    assert isinstance(pool.status(other), workpool.Running), "the other row is untouched"
+
+
 @pytest.mark.parametrize("live_first", [False, True], ids=["sorted", "live-first"])
 @pytest.mark.parametrize("json_arrays", [True, False], ids=["json", "per-row"])
 def test_a_stale_and_a_live_outcome_of_one_item_in_one_batch_count_once(

@@ -237,6 +237,13 @@ class Worker:
             if not look or self.store.run(self._claimable, readonly=True, snapshot=False):
                 claimed, more = self.store.run(lambda tx: self._claim_in(tx, free=free))()
                 self._start_all(claimed)
+                if claimed and not more:
+                    # Let the threads just handed work take the GIL before the read
+                    # that says how long to sleep, not after it: a job's start after
+                    # its enqueue, PostgreSQL, hand-over to its thread 0.22-0.26 ->
+                    # 0.11-0.13 ms. (That read in the claim's own round trip saved
+                    # the same and made the claim 0.15-0.35 ms longer.)
+                    time.sleep(0)
         finally:
             self._unreserve(free)
         self._dry = not claimed

@@ -545,6 +545,23 @@ class SqliteStore(SqlStore):
             [(f.work.id, f.work.state, f.work.attempt) for f in items],
         )
 
+    _FINISHED_COLUMNS = (
+        "INSERT INTO {s}finished (id, pool, fn_name, kind, args, on_complete, outcome,"
+        " result, attempts, enqueued_at, finished_at, last_error)"
+    )
+    _FINISH_MANY = (
+        _FINISHED_COLUMNS + " SELECT w.id, w.pool, w.fn_name, w.kind, w.args, w.on_complete,"
+        " 'success', json_extract(j.value, '$[2]'), w.attempt, w.enqueued_at, ?, w.last_error"
+        " FROM json_each(?) j CROSS JOIN {s}work w ON w.id = json_extract(j.value, '$[0]')"
+        " WHERE w.state = 'running' AND w.attempt = json_extract(j.value, '$[1]')"
+        " RETURNING id, attempts"
+    )
+    _FINISH_ONE = (
+        _FINISHED_COLUMNS + " SELECT id, pool, fn_name, kind, args, on_complete, 'success', ?,"
+        " attempt, enqueued_at, ?, last_error FROM {s}work WHERE id = ? AND state = 'running'"
+        " AND attempt = ? RETURNING id, attempts"
+    )
+
     def finish_succeeded(
         self,
         tx: Tx,
@@ -566,31 +583,34 @@ class SqliteStore(SqlStore):
         # are all of them but for stale ones: both are ready for that case, made from
         # the batch beforehand.
         batch = [item for item in items if storable([item[0]])]
-        sql = self._sql(
-            "INSERT INTO {s}finished (id, pool, fn_name, kind, args, on_complete, outcome,"
-            " result, attempts, enqueued_at, finished_at, last_error)"
-            " SELECT w.id, w.pool, w.fn_name, w.kind, w.args, w.on_complete, 'success',"
-            " json_extract(j.value, '$[2]'), w.attempt, w.enqueued_at, ?, w.last_error"
-            " FROM json_each(?) j CROSS JOIN {s}work w"
-            " ON w.id = json_extract(j.value, '$[0]') WHERE w.state = 'running'"
-            " AND w.attempt = json_extract(j.value, '$[1]') RETURNING id, attempts"
-        )
-        params = (now, json.dumps([item[:3] for item in batch]))
         taken: list[tuple[str, int]] = []
         planned = _successes(batch, worker_id, now)
-        delete = self._sql("DELETE FROM {s}work WHERE id IN (SELECT value FROM json_each(?))")
+        single = len(batch) == 1
+        if single:
+            # One attempt (a pool at its limit hands its slots over one at a time):
+            # by its id, without JSON, 74 -> 45 us a transaction in a loop.
+            work_id, attempt, result = batch[0][:3]
+            sql = self._sql(self._FINISH_ONE)
+            params: tuple[Any, ...] = (result, now, work_id, attempt)
+            delete = self._sql("DELETE FROM {s}work WHERE id = ?")
+        else:
+            sql = self._sql(self._FINISH_MANY)
+            params = (now, json.dumps([item[:3] for item in batch]))
+            delete = self._sql("DELETE FROM {s}work WHERE id IN (SELECT value FROM json_each(?))")
 
         def settle(conn: sqlite3.Connection) -> None:
             taken.extend((row[0], row[1]) for row in conn.execute(sql, params).fetchall())
             ids, counters = planned
             if len(taken) < len(batch):  # stale ones among them: count and delete the rest
+                if not taken:
+                    return
                 done = set(taken)
                 ids, counters = _successes(
                     [i for i in batch if (i[0], i[1]) in done], worker_id, now
                 )
             for counter_sql, counter_params in counters:
                 conn.execute(self._sql(counter_sql), counter_params)
-            conn.execute(delete, (ids,))
+            conn.execute(delete, (batch[0][0] if single else ids,))
 
         self._at_commit(tx, settle, at_commit)
         return lambda: taken
