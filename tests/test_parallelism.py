@@ -362,6 +362,48 @@ def test_a_claim_reads_the_stored_limit_under_its_lock(app):
     assert claim(10) == 0
 
 
+def test_a_claim_that_waited_for_the_claim_lock_counts_the_claim_before_it(app):
+    """Two claims of one pool at once, with room for one: the second waits for the
+    first's claim lock and, once the first commits, counts its row and takes none.
+    (On PostgreSQL the claim function counts in a statement of its own, whose
+    snapshot is taken after the lock was granted: one taken with the call would
+    not see the first claim, and both would start a job under a limit of 1.)"""
+
+    @app.action(name="nap")
+    def nap() -> None:
+        return None
+
+    store = app.store
+    now = time.time() + 1
+    app.pool("once", max_parallelism=1).enqueue_action_batch(nap, [{} for _ in range(4)])
+    holding, release = threading.Event(), threading.Event()
+    got: dict[str, int] = {}
+
+    def first(tx):
+        claimed = store.claim(tx, "once", 5, "w1", now)
+        holding.set()
+        assert release.wait(10)
+        return claimed
+
+    def run(name, body):
+        got[name] = len(store.run(body))
+
+    one = threading.Thread(target=run, args=("first", first))
+    one.start()
+    assert holding.wait(10)
+    two = threading.Thread(
+        target=run, args=("second", lambda tx: store.claim(tx, "once", 5, "w2", now))
+    )
+    two.start()
+    two.join(0.5)
+    assert two.is_alive(), "the second claim did not wait for the first's lock"
+    release.set()
+    one.join(10)
+    two.join(10)
+    assert got == {"first": 1, "second": 0}
+    assert app.pool("once").stats().running == 1
+
+
 @pytest.mark.parametrize("blocked_by", ["pause", "limit"])
 def test_due_work_that_cannot_start_does_not_keep_the_worker_busy(app, blocked_by):
     """Due work held back by a pause or a full limit waits for a wake-up: the worker

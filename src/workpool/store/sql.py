@@ -66,9 +66,6 @@ class SqlStore(SqlReads, Store):
         self._local = threading.local()
 
     # --- dialect hooks ------------------------------------------------------------------
-    def _lock_pool(self, tx: Tx, pool: str) -> None:
-        """Serialise claimers of ``pool`` until ``tx`` ends (SQLite: the write lock does)."""
-
     def _begin(
         self, readonly: bool, snapshot: bool
     ) -> tuple[Any, str | None, Callable[[Tx, bool], None]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import random
 import re
 import threading
@@ -360,6 +361,10 @@ class PostgresStore(SqlStore):
         for number, script in enumerate(MIGRATIONS[version:], start=version + 1):
             tx.execute(script.replace("{s}", self.table_prefix))
             tx.execute(f"INSERT INTO {self.table_prefix}schema_version VALUES (%s)", (number,))
+        # Made from the code's own SQL, so not a migration: each version has its own.
+        name, definition = self._claim_function
+        if tx.execute("SELECT to_regproc(%s)", (name,)).fetchone()[0] is None:
+            tx.execute(definition)
 
     def close(self) -> None:
         with self._conn_pool_lock:
@@ -436,12 +441,6 @@ class PostgresStore(SqlStore):
         return _Listener(self.conninfo, self.channel)
 
     # --- dialect hooks ------------------------------------------------------------------
-    _LOCK = "SELECT pg_advisory_xact_lock(hashtext(%s), hashtext(%s))"
-
-    def _lock_pool(self, tx: Tx, pool: str) -> None:
-        # Serialises claimers of one pool (not completers): see docs/design.md.
-        self._x(tx, self._LOCK, (self.schema, pool))
-
     @contextmanager
     def pipeline(self, tx: Tx) -> Iterator[None]:
         if tx.pipelined:
@@ -479,8 +478,9 @@ class PostgresStore(SqlStore):
         at_commit: bool = False,
     ) -> Callable[[], list[Any]]:
         # The lock, then the limit, the count and the claim in one statement whose
-        # snapshot is taken after the lock is granted: exact as in SqliteStore, in one
-        # round trip. (LEAST and GREATEST skip NULLs: a missing pool row must be 0.)
+        # snapshot is taken after the lock is granted: exact as in SqliteStore. Both
+        # go as one call of the claim function (_claim_function), in one round trip.
+        # (LEAST and GREATEST skip NULLs: a missing pool row must be 0.)
         # ANY(ARRAY(...)): with IN (...) and a limit the planner cannot read, it would
         # hash-join the picked ids against a scan of the whole table. The rows are
         # updated where the pick locked them (ctid, a TID scan) rather than found
@@ -489,19 +489,50 @@ class PostgresStore(SqlStore):
         # latest version and stays where it is; one that changed after this
         # statement's snapshot is not visible at its new place, and stays pending
         # (locked until the commit).
-        tids = self._pick("%s", self._room("%s::int", "%s"))
-        sql = self._sql(self._CLAIM % (f"ctid = ANY(ARRAY({tids}))", self._PAYLOADS))
-        params = (worker_id, now, pool, now, limit, pool, pool)
+        params = (self.schema, pool, limit, worker_id, now)
         if not at_commit:
-            with self.pipeline(tx):
-                self._lock_pool(tx, pool)
-                rows = self._x(tx, sql, params)
+            rows = self._x(tx, self._claim_call, params)
             return lambda: self._payloads_of(tx, list(rows.fetchall()))
         # With the COMMIT, right after it in the same round trip: the claim lock is
-        # held for server time only, never for a round trip to a busy client.
-        tx.defer(self._LOCK, (self.schema, pool))
-        claim = tx.defer(sql, params, rows=True)
+        # held for server time only, never for a round trip to a busy client. Alone
+        # (a dispatcher's claim) it is a transaction of its own.
+        claim = tx.defer(self._claim_call, params, rows=True, alone=True)
         return lambda: self._payloads_of(None, claim.rows)
+
+    @functools.cached_property
+    def _claim_function(self) -> tuple[str, str]:
+        """The name and the definition of the server function that claims from one
+        pool: ``_claim_rows``'s lock, then its claim.
+
+        One statement from the client instead of two, and in a transaction of its
+        own, none of the BEGIN, the plan setting and the COMMIT either: a
+        dispatcher's claim of one job, 2.10 -> 1.83 ms and 0.77 -> 0.43 ms of
+        client CPU (medians of 360 after 10 ms idle, in a loop of the two shapes).
+        A volatile function takes a fresh snapshot for each statement, so the
+        claim's running count is read after the lock is granted, as with two
+        statements. The name carries a hash of the definition: processes of two
+        versions side by side each call their own.
+        """
+        tids = self._pick("%s", self._room("%s::int", "%s"))
+        claim = self._sql(self._CLAIM % (f"ctid = ANY(ARRAY({tids}))", self._PAYLOADS))
+        names = iter(("p_worker", "p_now", "p_pool", "p_now", "p_limit", "p_pool", "p_pool"))
+        claim = re.sub("%s", lambda _: next(names), claim)
+        body = (
+            "(p_schema text, p_pool text, p_limit integer, p_worker text,"
+            " p_now double precision) RETURNS TABLE (id text, kind text, fn_name text,"
+            " attempt integer, timeout double precision, due_at double precision,"
+            " on_complete text, context text, args text) LANGUAGE plpgsql VOLATILE"
+            " SET plan_cache_mode = force_generic_plan AS $fn$"
+            " #variable_conflict use_column\nBEGIN"
+            " PERFORM pg_advisory_xact_lock(hashtext(p_schema), hashtext(p_pool));"
+            f" RETURN QUERY {claim}; END $fn$"
+        )
+        name = f"{self.table_prefix}claim_{hashlib.sha1(body.encode()).hexdigest()[:12]}"
+        return name, f"CREATE OR REPLACE FUNCTION {name} {body}"
+
+    @functools.cached_property
+    def _claim_call(self) -> str:
+        return f"SELECT * FROM {self._claim_function[0]}(%s, %s, %s::int, %s, %s::float8)"
 
     # The claim's context (with a handler) and args, each NULL where the two
     # together exceed CLAIM_INLINE_BYTES (``octet_length`` reads a stored value's
