@@ -389,17 +389,20 @@ def test_a_claim_that_waited_for_the_claim_lock_counts_the_claim_before_it(app):
         got[name] = len(store.run(body))
 
     one = threading.Thread(target=run, args=("first", first))
-    one.start()
-    assert holding.wait(10)
     two = threading.Thread(
         target=run, args=("second", lambda tx: store.claim(tx, "once", 5, "w2", now))
     )
-    two.start()
-    two.join(0.5)
-    assert two.is_alive(), "the second claim did not wait for the first's lock"
-    release.set()
-    one.join(10)
-    two.join(10)
+    one.start()
+    try:
+        assert holding.wait(10)
+        two.start()
+        two.join(0.5)
+        assert two.is_alive(), "the second claim did not wait for the first's lock"
+    finally:
+        release.set()  # a failed check must not leave the first claim holding the lock
+        one.join(10)
+        if two.ident is not None:  # started
+            two.join(10)
     assert got == {"first": 1, "second": 0}
     assert app.pool("once").stats().running == 1
 

@@ -12,6 +12,7 @@ import pytest
 
 import workpool
 from conftest import background_worker, create_table, pg_schema_of, run_until_idle, wait_for
+from workpool.store.url import open_store
 
 pytestmark = pytest.mark.parametrize("store_url", ["postgres"], indirect=True)
 
@@ -638,3 +639,52 @@ def test_rows_of_one_insert_keep_their_values_types_and_order(pg_app: Any, pg_ur
         rows = tx.execute(f"SELECT k, v, j FROM {table} ORDER BY n").fetchall()
     assert [(r[0], r[1]) for r in rows] == values
     assert [r[2] for r in rows] == [{"k": k} for k, _ in values]
+
+
+def test_each_claim_definition_gets_its_own_function_and_both_claim(pg_url: str) -> None:
+    """The claim function is named by a hash of its definition: a process whose
+    claim SQL differs (another workpool version) creates its own beside the first
+    at migrate, replaces nothing, and both claim; migrating again adds nothing."""
+    from workpool.store.postgres import PostgresStore
+
+    schema = pg_schema_of(pg_url)
+    first = open_store(pg_url)
+    first.migrate()
+    other = PostgresStore(pg_url, schema=schema or "workpool")
+    other._PAYLOADS = first._PAYLOADS.replace("8192", "8191")  # a later version's SQL
+    assert other._claim_function[0] != first._claim_function[0]
+
+    def functions() -> dict[str, str]:
+        with psycopg.connect(_conninfo(pg_url), autocommit=True) as conn:
+            rows = conn.execute(
+                "SELECT p.proname, pg_get_functiondef(p.oid) FROM pg_proc p"
+                " JOIN pg_namespace n ON n.oid = p.pronamespace"
+                " WHERE n.nspname = %s AND p.proname LIKE 'claim\\_%%'",
+                (schema,),
+            ).fetchall()
+        return dict(rows)
+
+    before = functions()
+    assert len(before) == 1
+    other.migrate()
+    open_store(pg_url).migrate()
+    after = functions()
+    assert len(after) == 2
+    assert {k: v for k, v in after.items() if k in before} == before, "the first one is kept"
+    assert "8191" in after[other._claim_function[0].split(".")[1]]
+
+    app = workpool.App(pg_url)
+    app.action(name="nap")(lambda: None)
+    try:
+        app.pool("both", max_parallelism=10).enqueue_action_batch("nap", [{} for _ in range(4)])
+    finally:
+        app.close()
+    now = time.time() + 1
+    got = [
+        store.run(lambda tx, store=store, w=w: store.claim(tx, "both", 2, w, now))
+        for store, w in ((first, "w1"), (other, "w2"))
+    ]
+    assert [len(g) for g in got] == [2, 2]
+    assert len({w.id for g in got for w in g}) == 4
+    for store in (first, other):
+        store.close()
