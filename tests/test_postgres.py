@@ -617,9 +617,9 @@ def test_only_a_plain_one_row_insert_is_sent_as_rows_of_one_statement(
 
 
 def test_rows_of_one_insert_keep_their_values_types_and_order(pg_app: Any, pg_url: str) -> None:
-    """Held INSERTs sent as rows of statements of 2**k rows (300 = 256 + 32 + 8 + 4):
-    every row once, in order, each value cast to its own column as a one-row INSERT
-    would (integers of every size, NULLs, JSON)."""
+    """Held INSERTs sent as rows of statements of 2**k rows (3 parameters a row, so
+    300 = 18 * 16 + 8 + 4): every row once, in order, each value cast to its own
+    column as a one-row INSERT would (integers of every size, NULLs, JSON)."""
     store = pg_app.store
     table = create_table(pg_app, pg_url, "rows_t", "n serial, k bigint, v text, j jsonb")
     values = [
