@@ -641,6 +641,50 @@ def test_rows_of_one_insert_keep_their_values_types_and_order(pg_app: Any, pg_ur
     assert [r[2] for r in rows] == [{"k": k} for k, _ in values]
 
 
+def test_rows_of_one_insert_go_in_statements_psycopg_parses_once(pg_app: Any, pg_url: str) -> None:
+    """Each statement of rows has at most 50 parameters, the most psycopg keeps the
+    parsing of in its cache (a statement of 512 rows was parsed anew at every call):
+    100 rows of one column go as 32 + 32 + 32 + 4, rows of 60 columns one at a time,
+    and every row arrives."""
+    store = pg_app.store
+    narrow = create_table(pg_app, pg_url, "rows_narrow", "n serial, k bigint")
+    wide = create_table(
+        pg_app, pg_url, "rows_wide", "n serial, " + ", ".join(f"c{i} int" for i in range(60))
+    )
+    sent: list[int] = []
+
+    class Counting:
+        """The driver's connection, counting each statement's parameters."""
+
+        def __init__(self, conn: Any) -> None:
+            self.conn = conn
+
+        def execute(self, sql: str, params: Any) -> Any:
+            sent.append(len(params))
+            return self.conn.execute(sql, params)
+
+    with psycopg.connect(_conninfo(pg_url), autocommit=True) as conn:
+        store.send_rows(
+            Counting(conn), f"INSERT INTO {narrow} (k) VALUES (%s)", [(i,) for i in range(100)]
+        )
+        assert sent == [32, 32, 32, 4]
+        sent.clear()
+        columns = ", ".join(f"c{i}" for i in range(60))
+        marks = ", ".join(["%s"] * 60)
+        store.send_rows(
+            Counting(conn),
+            f"INSERT INTO {wide} ({columns}) VALUES ({marks})",
+            [tuple(range(r, r + 60)) for r in range(3)],
+        )
+        assert sent == [60, 60, 60]
+        assert [r[0] for r in conn.execute(f"SELECT k FROM {narrow} ORDER BY n")] == list(
+            range(100)
+        )
+        assert conn.execute(f"SELECT c0, c59 FROM {wide} ORDER BY n").fetchall() == [
+            (r, r + 59) for r in range(3)
+        ]
+
+
 def test_each_claim_definition_gets_its_own_function_and_both_claim(pg_url: str) -> None:
     """The claim function is named by a hash of its definition: a process whose
     claim SQL differs (another workpool version) creates its own beside the first
