@@ -732,3 +732,52 @@ def test_each_claim_definition_gets_its_own_function_and_both_claim(pg_url: str)
     assert len({w.id for g in got for w in g}) == 4
     for store in (first, other):
         store.close()
+
+
+def test_a_record_of_successes_that_claims_is_one_call_that_claims_after_its_finish(
+    pg_app: Any, pg_url: str
+) -> None:
+    """A transaction of a finish of successes and a claim, and nothing else, runs as
+    one call of the record-and-claim function: the finish returns the rows it took,
+    the claim what it took, and at a limit of 1 the claim sees the slot the finish
+    freed. A stale finish takes nothing, and the claim then respects the limit."""
+    from workpool.core.results import success_json
+
+    @pg_app.action
+    def noop() -> None:
+        pass
+
+    pool = pg_app.pool("fused", max_parallelism=1)
+    ids = pool.enqueue_action_batch(noop, [{}, {}, {}])
+    store = pg_app.store
+    (first,) = store.run(lambda tx: store.claim(tx, "fused", 1, "w1", time.time()))
+    roles: list[list[str | None]] = []
+
+    def record(work_id: str) -> Any:
+        def body(tx: Any) -> Any:
+            now = time.time()
+            item = [(work_id, 1, success_json("7"), "fused", 0.0)]
+            done = store.finish_succeeded(tx, item, now, "w1")
+            claimed = store.claim_later(tx, "fused", 1, "w1", now)
+            roles.append([d.role for d in tx.deferred])
+            return lambda: (done(), claimed())
+
+        return store.run(body)()
+
+    done, claimed = record(first.id)
+    assert roles == [["finish", "claim"]]
+    assert done == [(first.id, 1)]
+    assert [w.id for w in claimed] == [ids[1]] and claimed[0].attempt == 1
+    assert pool.status(first.id) == workpool.Finished(workpool.Success(7))
+    assert pool.stats().succeeded == 1
+
+    done, claimed = record(first.id)  # stale: ids[1] holds the one slot
+    assert (done, claimed) == ([], [])
+    assert pool.status(ids[2]).state == "pending"
+    assert pool.stats().succeeded == 1
+
+    # The function did that work: without it the same transaction fails.
+    with psycopg.connect(_conninfo(pg_url), autocommit=True) as conn:
+        conn.execute(f"DROP FUNCTION {store._record_claim_function[0]}")
+    with pytest.raises(psycopg.errors.UndefinedFunction):
+        record(ids[1])

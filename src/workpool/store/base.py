@@ -109,14 +109,22 @@ class Tx:
         self._held = []
 
     def defer(
-        self, sql: str, params: Sequence[Any] = (), *, rows: bool = False, alone: bool = False
+        self,
+        sql: str,
+        params: Sequence[Any] = (),
+        *,
+        rows: bool = False,
+        alone: bool = False,
+        role: str | None = None,
     ) -> Deferred:
         """Run a statement just before COMMIT (PostgreSQL sends them with the COMMIT
         in one round trip); at once in a transaction adopted from the caller, whose
         COMMIT the store does not send. ``rows``: keep what it returns, for reading
         once the transaction has committed (``Deferred.rows``). ``alone``: when it is
-        the transaction's only statement, it may run as a transaction of its own."""
-        deferred = Deferred(sql, params, rows, alone)
+        the transaction's only statement, it may run as a transaction of its own.
+        ``role``: which of the store's statements it is, for a store that runs a
+        known sequence of them as one (``Deferred.role``)."""
+        deferred = Deferred(sql, params, rows, alone, role)
         if self.owned:
             self.deferred.append(deferred)
         else:
@@ -168,21 +176,36 @@ class HeldCursor:
 class Deferred:
     """A statement that waits for its transaction's COMMIT (``Tx.defer``)."""
 
-    __slots__ = ("_rows", "alone", "keep", "params", "sql")
+    __slots__ = ("_rows", "alone", "keep", "params", "role", "sql")
 
-    def __init__(self, sql: str, params: Sequence[Any], keep: bool, alone: bool = False) -> None:
+    def __init__(
+        self,
+        sql: str,
+        params: Sequence[Any],
+        keep: bool,
+        alone: bool = False,
+        role: str | None = None,
+    ) -> None:
         self.sql = sql
         self.params = params
         self.keep = keep
         # It may run as a transaction of its own when it is its transaction's only
         # statement (PostgreSQL then sends neither BEGIN nor COMMIT).
         self.alone = alone
+        # A transaction of exactly a finish of successes and then a claim runs on
+        # PostgreSQL as one call of a server function, which does both.
+        self.role = role
         self._rows: list[Any] | None = None
 
     def ran(self, cursor: Any) -> None:
         """The statement ran with ``cursor`` (its results already received)."""
         if self.keep:
             self._rows = list(cursor.fetchall())
+
+    def took(self, rows: list[Any]) -> None:
+        """The statement's work was done by another that returned its ``rows``."""
+        if self.keep:
+            self._rows = rows
 
     @property
     def rows(self) -> list[Any]:

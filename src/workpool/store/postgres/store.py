@@ -281,6 +281,16 @@ class PostgresStore(SqlStore):
                     # pipeline, whose bookkeeping costs psycopg some 70 us of CPU.
                     tx.deferred[0].ran(conn.execute(tx.deferred[0].sql, tx.deferred[0].params))
                     return
+                if tx.begin is not None and [d.role for d in tx.deferred] == ["finish", "claim"]:
+                    # A record of successes that refills its slots, and nothing else:
+                    # one statement as well (_record_claim_function).
+                    finish, claim = tx.deferred
+                    rows = conn.execute(
+                        self._record_claim_call, [*finish.params, *claim.params]
+                    ).fetchall()
+                    finish.took([(r[0], r[3]) for r in rows if r[1] is None])
+                    claim.took([r for r in rows if r[1] is not None])
+                    return
                 # The deferred statements and the COMMIT (and a BEGIN not sent yet)
                 # go in one round trip.
                 with conn.pipeline():
@@ -365,9 +375,9 @@ class PostgresStore(SqlStore):
             tx.execute(script.replace("{s}", self.table_prefix))
             tx.execute(f"INSERT INTO {self.table_prefix}schema_version VALUES (%s)", (number,))
         # Made from the code's own SQL, so not a migration: each version has its own.
-        name, definition = self._claim_function
-        if tx.execute("SELECT to_regproc(%s)", (name,)).fetchone()[0] is None:
-            tx.execute(definition)
+        for name, definition in (self._claim_function, self._record_claim_function):
+            if tx.execute("SELECT to_regproc(%s)", (name,)).fetchone()[0] is None:
+                tx.execute(definition)
 
     def close(self) -> None:
         with self._conn_pool_lock:
@@ -499,7 +509,7 @@ class PostgresStore(SqlStore):
         # With the COMMIT, right after it in the same round trip: the claim lock is
         # held for server time only, never for a round trip to a busy client. Alone
         # (a dispatcher's claim) it is a transaction of its own.
-        claim = tx.defer(self._claim_call, params, rows=True, alone=True)
+        claim = tx.defer(self._claim_call, params, rows=True, alone=True, role="claim")
         return lambda: self._payloads_of(None, claim.rows)
 
     @functools.cached_property
@@ -536,6 +546,51 @@ class PostgresStore(SqlStore):
     @functools.cached_property
     def _claim_call(self) -> str:
         return f"SELECT * FROM {self._claim_function[0]}(%s, %s, %s::int, %s, %s::float8)"
+
+    # The claim's columns; the finish's rows among them have no kind.
+    _CLAIM_COLUMNS = (
+        "id text, kind text, fn_name text, attempt integer, timeout double precision,"
+        " due_at double precision, on_complete text, context text, args text"
+    )
+
+    @functools.cached_property
+    def _record_claim_function(self) -> tuple[str, str]:
+        """The name and the definition of the server function that finishes a batch
+        of successes (``finish_succeeded``) and then claims from one pool (the claim
+        function): a worker's record that refills the slots it freed, as one
+        statement and a transaction of its own. As a pipeline of BEGIN, the plan
+        setting, the two statements and COMMIT it took 0.3 ms more: 2.15 -> 1.85 ms
+        p50 after 20 ms idle, the two alternating 600 times. It returns the rows the
+        finish took, without a kind, then the claimed ones; each statement of a
+        volatile function has its own snapshot, so the claim counts the slots the
+        finish freed."""
+        tail = (
+            "SELECT id, NULL::text, NULL::text, attempt, NULL::float8, NULL::float8,"
+            " NULL::text, NULL::text, NULL::text FROM gone"
+        )
+        finish = self._finish_succeeded_sql(self._success_rows, tail)
+        names = iter(("f_ids", "f_states", "f_attempts", "f_results", "f_now", "f_worker"))
+        finish = re.sub("%s", lambda _: next(names, "f_minute"), finish)
+        body = (
+            "(f_ids text, f_states text, f_attempts text, f_results text,"
+            " f_now double precision, f_worker text, f_minute bigint, p_schema text,"
+            " p_pool text, p_limit integer, p_worker text, p_now double precision)"
+            f" RETURNS TABLE ({self._CLAIM_COLUMNS}) LANGUAGE plpgsql VOLATILE"
+            " SET plan_cache_mode = force_generic_plan AS $fn$"
+            " #variable_conflict use_column\nBEGIN"
+            f" RETURN QUERY {finish};"
+            f" RETURN QUERY SELECT * FROM {self._claim_function[0]}"
+            "(p_schema, p_pool, p_limit, p_worker, p_now); END $fn$"
+        )
+        name = f"{self.table_prefix}record_claim_{hashlib.sha1(body.encode()).hexdigest()[:12]}"
+        return name, f"CREATE OR REPLACE FUNCTION {name} {body}"
+
+    @functools.cached_property
+    def _record_claim_call(self) -> str:
+        return (
+            f"SELECT * FROM {self._record_claim_function[0]}"
+            "(%s, %s, %s, %s, %s::float8, %s, %s::bigint, %s, %s, %s::int, %s, %s::float8)"
+        )
 
     # The claim's context (with a handler) and args, each NULL where the two
     # together exceed CLAIM_INLINE_BYTES (``octet_length`` reads a stored value's
@@ -849,17 +904,43 @@ class PostgresStore(SqlStore):
     ) -> Callable[[], list[tuple[str, int]]]:
         if not items:
             return list
-        rows, params = unnest(
-            [
-                ([i[0] for i in items], "text"),
-                (["running"] * len(items), "text"),
-                ([i[1] for i in items], "int"),
-                ([i[2] for i in items], "text"),
-            ]
-        )
+        rows, params = unnest(self._success_columns(items))
+        args = [*params, now, worker_id, minute_of(now)]
+        sql = self._finish_succeeded_sql(rows, "SELECT id, attempt FROM gone")
+        if at_commit:
+            # The record-and-claim function takes the arrays as joined strings: a
+            # batch whose text needs a binary array keeps the statement.
+            role = "finish" if rows == self._success_rows else None
+            found = tx.defer(sql, args, rows=True, role=role)
+            return lambda: [(r[0], r[1]) for r in found.rows]
+        # Planned as with the COMMIT (see _begin's end), and only this statement.
+        self._x(tx, "SET LOCAL plan_cache_mode = force_generic_plan")
+        taken = [(r[0], r[1]) for r in self._x(tx, sql, args).fetchall()]
+        self._x(tx, "SET LOCAL plan_cache_mode = DEFAULT")
+        return lambda: taken
+
+    @staticmethod
+    def _success_columns(
+        items: Sequence[tuple[str, int, str, str, float]],
+    ) -> list[tuple[Sequence[Any], str]]:
+        return [
+            ([i[0] for i in items], "text"),
+            (["running"] * len(items), "text"),
+            ([i[1] for i in items], "int"),
+            ([i[2] for i in items], "text"),
+        ]
+
+    @functools.cached_property
+    def _success_rows(self) -> str:
+        """``unnest`` of a batch of successes whose arrays go as joined strings."""
+        return unnest(self._success_columns([("id", 1, "null", "pool", 0.0)]))[0]
+
+    def _finish_succeeded_sql(self, rows: str, tail: str) -> str:
+        """The finish of a batch of successes (``rows``: the ``unnest`` of its
+        columns), ending in ``tail``, a SELECT from ``gone``, the rows it took."""
         # Counted by the statement itself: which rows were still running is known
         # only there, and the counters go in the same round trip.
-        sql = self._sql(
+        return self._sql(
             f"WITH f AS (SELECT * FROM {rows} AS f(id, state, attempt, result)),"
             " gone AS (DELETE FROM {s}work w USING f WHERE w.id = f.id"
             " AND w.state = f.state AND w.attempt = f.attempt RETURNING w.id, w.pool,"
@@ -869,18 +950,8 @@ class PostgresStore(SqlStore):
             " outcome, result, attempts, enqueued_at, finished_at, last_error)"
             " SELECT id, pool, fn_name, kind, args, on_complete, 'success', result,"
             " attempt, enqueued_at, %s, last_error FROM gone),"
-            f" counted AS ({self._COUNT_SUCCESSES})"
-            " SELECT id, attempt FROM gone"
+            f" counted AS ({self._COUNT_SUCCESSES}) {tail}"
         )
-        args = [*params, now, worker_id, minute_of(now)]
-        if at_commit:
-            found = tx.defer(sql, args, rows=True)
-            return lambda: [(r[0], r[1]) for r in found.rows]
-        # Planned as with the COMMIT (see _begin's end), and only this statement.
-        self._x(tx, "SET LOCAL plan_cache_mode = force_generic_plan")
-        taken = [(r[0], r[1]) for r in self._x(tx, sql, args).fetchall()]
-        self._x(tx, "SET LOCAL plan_cache_mode = DEFAULT")
-        return lambda: taken
 
     # The successes in ``gone`` (pool, lag) added to the worker's counters
     # (parameters: worker, minute); the start lags fall in histogram.LAG_BOUNDS
