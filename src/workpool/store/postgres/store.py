@@ -512,6 +512,13 @@ class PostgresStore(SqlStore):
         claim = tx.defer(self._claim_call, params, rows=True, alone=True, role="claim")
         return lambda: self._payloads_of(None, claim.rows)
 
+    # What the claim functions return; the record-and-claim function's finished
+    # rows among them have no kind.
+    _CLAIM_COLUMNS = (
+        "id text, kind text, fn_name text, attempt integer, timeout double precision,"
+        " due_at double precision, on_complete text, context text, args text"
+    )
+
     @functools.cached_property
     def _claim_function(self) -> tuple[str, str]:
         """The name and the definition of the server function that claims from one
@@ -532,9 +539,8 @@ class PostgresStore(SqlStore):
         claim = re.sub("%s", lambda _: next(names), claim)
         body = (
             "(p_schema text, p_pool text, p_limit integer, p_worker text,"
-            " p_now double precision) RETURNS TABLE (id text, kind text, fn_name text,"
-            " attempt integer, timeout double precision, due_at double precision,"
-            " on_complete text, context text, args text) LANGUAGE plpgsql VOLATILE"
+            f" p_now double precision) RETURNS TABLE ({self._CLAIM_COLUMNS})"
+            " LANGUAGE plpgsql VOLATILE"
             " SET plan_cache_mode = force_generic_plan AS $fn$"
             " #variable_conflict use_column\nBEGIN"
             " PERFORM pg_advisory_xact_lock(hashtext(p_schema), hashtext(p_pool));"
@@ -546,12 +552,6 @@ class PostgresStore(SqlStore):
     @functools.cached_property
     def _claim_call(self) -> str:
         return f"SELECT * FROM {self._claim_function[0]}(%s, %s, %s::int, %s, %s::float8)"
-
-    # The claim's columns; the finish's rows among them have no kind.
-    _CLAIM_COLUMNS = (
-        "id text, kind text, fn_name text, attempt integer, timeout double precision,"
-        " due_at double precision, on_complete text, context text, args text"
-    )
 
     @functools.cached_property
     def _record_claim_function(self) -> tuple[str, str]:
