@@ -339,6 +339,24 @@ def background_worker(
         worker.stop(stop_timeout)
 
 
+def record_and_claim(store: Any, pool: str, work_id: str, result: str) -> tuple[Any, Any, Any]:
+    """One transaction, as a worker's record that refills its slot: the success of
+    ``work_id``'s attempt 1 (``result``: its encoded value), then a claim of 1 from
+    ``pool``. Returns the (id, attempt) pairs the finish took, the attempts the
+    claim took, and the roles of the statements left for the COMMIT."""
+    seen: list[Any] = []
+
+    def body(tx: Any) -> Any:
+        now = time.time()
+        done = store.finish_succeeded(tx, [(work_id, 1, result, pool, 0.0)], now, "w1")
+        claimed = store.claim_later(tx, pool, 1, "w1", now)
+        seen.append([d.role for d in tx.deferred])
+        return lambda: (done(), claimed())
+
+    done, claimed = store.run(body)()
+    return done, claimed, seen[-1]
+
+
 def finished(pool: Any, wid: str) -> Any:
     """The status if it is Finished, else None (for wait_for)."""
     status = pool.status(wid)

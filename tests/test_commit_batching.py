@@ -16,7 +16,7 @@ import time
 import pytest
 
 import workpool
-from conftest import create_table
+from conftest import create_table, record_and_claim
 from workpool.core import histogram
 from workpool.core.decide import Succeeded
 from workpool.core.ids import new_work_ids
@@ -329,3 +329,33 @@ def test_the_handler_gets_the_context_its_claim_read_small_or_big(app, json_arra
     worker._record([(w, Succeeded(None), 0.0) for w in claimed])
     assert seen == dict(zip(ids, contexts, strict=True))
     assert all(pool.status(w) == workpool.Finished(workpool.Success(None)) for w in [*ids, plain])
+
+
+def test_a_record_of_a_success_and_a_claim_in_one_transaction_claims_the_slot_it_freed(app):
+    """A worker's record that refills its slot at a limit of 1: the finish takes the
+    running attempt and the claim, after it, sees its slot free and takes the next
+    item; a stale finish takes nothing, and the claim then respects the limit (the
+    next item still holds the one slot). (On PostgreSQL this transaction is one call
+    of the record-and-claim function: test_postgres checks that it is.)"""
+
+    @app.action
+    def noop() -> None:
+        pass
+
+    pool = app.pool("refill", max_parallelism=1)
+    ids = pool.enqueue_action_batch(noop, [{}, {}, {}])
+    store = app.store
+    (first,) = store.run(lambda tx: store.claim(tx, "refill", 1, "w1", time.time()))
+    assert first.id == ids[0]
+
+    done, claimed, _ = record_and_claim(store, "refill", first.id, success_json("7"))
+    assert done == [(first.id, 1)]
+    assert [(w.id, w.attempt) for w in claimed] == [(ids[1], 1)]
+    assert pool.status(first.id) == workpool.Finished(workpool.Success(7))
+    assert pool.stats().succeeded == 1
+
+    done, claimed, _ = record_and_claim(store, "refill", first.id, success_json("7"))
+    assert (done, claimed) == ([], [])
+    assert pool.status(ids[1]).state == "running"
+    assert pool.status(ids[2]).state == "pending"
+    assert pool.stats().succeeded == 1

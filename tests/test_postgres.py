@@ -11,7 +11,14 @@ import psycopg
 import pytest
 
 import workpool
-from conftest import background_worker, create_table, pg_schema_of, run_until_idle, wait_for
+from conftest import (
+    background_worker,
+    create_table,
+    pg_schema_of,
+    record_and_claim,
+    run_until_idle,
+    wait_for,
+)
 from workpool.store.url import open_store
 
 pytestmark = pytest.mark.parametrize("store_url", ["postgres"], indirect=True)
@@ -734,13 +741,12 @@ def test_each_claim_definition_gets_its_own_function_and_both_claim(pg_url: str)
         store.close()
 
 
-def test_a_record_of_successes_that_claims_is_one_call_that_claims_after_its_finish(
+def test_a_record_of_successes_that_claims_is_one_call_of_the_record_claim_function(
     pg_app: Any, pg_url: str
 ) -> None:
     """A transaction of a finish of successes and a claim, and nothing else, runs as
-    one call of the record-and-claim function: the finish returns the rows it took,
-    the claim what it took, and at a limit of 1 the claim sees the slot the finish
-    freed. A stale finish takes nothing, and the claim then respects the limit."""
+    one call of the record-and-claim function (what it does is checked on both
+    stores in test_commit_batching): with the function dropped, it fails."""
     from workpool.core.results import success_json
 
     @pg_app.action
@@ -748,36 +754,15 @@ def test_a_record_of_successes_that_claims_is_one_call_that_claims_after_its_fin
         pass
 
     pool = pg_app.pool("fused", max_parallelism=1)
-    ids = pool.enqueue_action_batch(noop, [{}, {}, {}])
+    ids = pool.enqueue_action_batch(noop, [{}, {}])
     store = pg_app.store
     (first,) = store.run(lambda tx: store.claim(tx, "fused", 1, "w1", time.time()))
-    roles: list[list[str | None]] = []
+    done, claimed, roles = record_and_claim(store, "fused", first.id, success_json("7"))
+    assert roles == ["finish", "claim"]
+    assert done == [(first.id, 1)] and [w.id for w in claimed] == [ids[1]]
 
-    def record(work_id: str) -> Any:
-        def body(tx: Any) -> Any:
-            now = time.time()
-            item = [(work_id, 1, success_json("7"), "fused", 0.0)]
-            done = store.finish_succeeded(tx, item, now, "w1")
-            claimed = store.claim_later(tx, "fused", 1, "w1", now)
-            roles.append([d.role for d in tx.deferred])
-            return lambda: (done(), claimed())
-
-        return store.run(body)()
-
-    done, claimed = record(first.id)
-    assert roles == [["finish", "claim"]]
-    assert done == [(first.id, 1)]
-    assert [w.id for w in claimed] == [ids[1]] and claimed[0].attempt == 1
-    assert pool.status(first.id) == workpool.Finished(workpool.Success(7))
-    assert pool.stats().succeeded == 1
-
-    done, claimed = record(first.id)  # stale: ids[1] holds the one slot
-    assert (done, claimed) == ([], [])
-    assert pool.status(ids[2]).state == "pending"
-    assert pool.stats().succeeded == 1
-
-    # The function did that work: without it the same transaction fails.
     with psycopg.connect(_conninfo(pg_url), autocommit=True) as conn:
         conn.execute(f"DROP FUNCTION {store._record_claim_function[0]}")
     with pytest.raises(psycopg.errors.UndefinedFunction):
-        record(ids[1])
+        record_and_claim(store, "fused", ids[1], success_json("7"))
+    assert pool.status(ids[1]).state == "running", "the failed call changed nothing"
