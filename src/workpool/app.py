@@ -23,6 +23,7 @@ from workpool.runtime.registry import Registry
 from workpool.runtime.worker import Worker, WorkerOptions
 from workpool.store import Store, Tx, open_store
 from workpool.store.base import FnKind, PoolConfig
+from workpool.store.combine import Combiner
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
@@ -40,6 +41,7 @@ class App:
             check_name(schema, "schema")
         self.url = url
         self.store: Store = open_store(url, schema=schema)
+        self._combiner = Combiner(self.store)
         self.registry = Registry()
         self.clock: Callable[[], float] = time.time
         self.completion = Completion(self.store, self.registry, self._pool_level)
@@ -135,11 +137,22 @@ class App:
         tx: Any = None,
         readonly: bool = False,
         snapshot: bool = True,
+        combine: bool = False,
     ) -> T:
         """Run ``body`` in the caller's transaction ``tx``, else in a new retried one
-        (``snapshot``: see ``Store.transaction``)."""
+        (``snapshot``: see ``Store.transaction``). ``combine``: a write that may share
+        its transaction with other threads' (see ``Combiner``): ``body`` must neither
+        read what theirs write nor mind running again."""
         self._migrate()
         if tx is None:
+            # A thread inside a transaction (an enqueue in a mutation) joins it instead.
+            if (
+                combine
+                and self.store.combines_writes
+                and not readonly
+                and not self.store.in_transaction()
+            ):
+                return self._combiner.run(body)
             return self.store.run(body, readonly=readonly, snapshot=snapshot)
         if isinstance(tx, Tx):
             if tx.store is not self.store:

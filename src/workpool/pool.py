@@ -55,6 +55,10 @@ ENQUEUE_CHUNK = 10_000
 # Rows a statement of a streamed batch holds (see Store.streams_inserts): the server
 # inserts one while the next is checked and built.
 STREAM_CHUNK = 250
+# Enqueues of up to this many items, each in a transaction of its own, share one
+# with other threads' that come at the same time (see Combiner): a bigger batch
+# already spreads its commit over its items and would make the others wait.
+COMBINE_MAX_ITEMS = 100
 CLIENT_ID = "client"  # worker id under which client-side cancels are counted
 
 
@@ -464,7 +468,7 @@ class Pool:
             if got is None:  # the stored config changed since this Pool last saw it
                 got = self.app.run(lambda t: streamed(t, read=True))()
         else:
-            got = self.app.run(body, tx=tx)()
+            got = self.app.run(body, tx=tx, combine=len(ids) <= COMBINE_MAX_ITEMS)()
             if got is None:
                 got = self.app.run(lambda t: body(t, read=True), tx=tx)()
         assert got is not None  # a run that reads the config always answers it

@@ -140,6 +140,9 @@ class SqlStore(SqlReads, Store):
         for hook in tx.after_commit:
             hook()
 
+    def in_transaction(self) -> bool:
+        return getattr(self._local, "tx", None) is not None
+
     def run(self, fn: Callable[[Tx], T], *, readonly: bool = False, snapshot: bool = True) -> T:
         attempt = 0
         give_up = time.monotonic() + self.retry_window

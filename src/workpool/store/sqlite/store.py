@@ -80,6 +80,7 @@ def _use_wal(conn: sqlite3.Connection) -> None:
 
 class SqliteStore(SqlStore):
     look_before_claim = True
+    combines_writes = True
 
     def __init__(self, path: str, *, synchronous: str = "NORMAL") -> None:
         super().__init__()
