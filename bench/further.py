@@ -172,7 +172,7 @@ def threads(store: str) -> None:
     app = build(store)
     pool = app.pool("p", max_parallelism=100_000)
     pool.enqueue_action("noop", {"i": 0})  # connect first
-    for count in (1, 4):
+    for count in (1, 4, 16):
         calls = 4000 // count
 
         def produce(calls: int = calls) -> None:
