@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from conftest import run_until_idle, store_kind, wait_for
+from workpool.core.errors import StoreUnavailableError
 from workpool.store.combine import Combiner
 
 
@@ -117,6 +118,31 @@ def test_a_failing_body_fails_only_its_own_caller(app, user_table):
     assert len(txs["c"]) == 2 and txs["c"][1] is not shared
     alone = {id(txs[k][-1]) for k in "bcd"}
     assert len(alone) == 3 and id(shared) not in alone
+
+
+def test_the_store_unavailable_fails_every_caller_of_the_transaction(app, user_table):
+    # The store's fault, not a body's: nobody runs again alone, and each caller
+    # gets an error of its own.
+    combiner = Combiner(app.store)
+    txs: dict[str, Any] = {}
+    out: dict[str, Any] = {}
+
+    def down(tx: Any) -> str:
+        txs.setdefault("down", []).append(tx)
+        raise StoreUnavailableError("the store went away")
+
+    with _Held(combiner, user_table) as held:
+        threads = [_call(combiner, _inserting(user_table, k, txs), out, k) for k in "bc"]
+        held.queued(2)
+        threads.append(_call(combiner, down, out, "down"))
+        held.queued(3)
+        held.release()
+        for thread in threads:
+            thread.join(30)
+    assert all(isinstance(out[k], StoreUnavailableError) for k in ("b", "c", "down"))
+    assert len({id(out[k]) for k in ("b", "c", "down")}) == 3
+    assert all(len(txs[k]) == 1 for k in ("b", "c", "down"))
+    assert [k for k, _ in user_table.rows()] == ["leader"]
 
 
 def test_a_single_failing_body_runs_once(app, user_table):

@@ -30,9 +30,11 @@ class _Call(Generic[T]):
         self.ready = threading.Event()
         self.state = _QUEUED  # then _DONE (value or error), _LEAD or _ALONE
         self.value: Any = None
-        self.error: BaseException | None = None
+        self.error: StoreUnavailableError | None = None
 
-    def wake(self, state: int, value: Any = None, error: BaseException | None = None) -> None:
+    def wake(
+        self, state: int, value: Any = None, error: StoreUnavailableError | None = None
+    ) -> None:
         self.state, self.value, self.error = state, value, error
         self.ready.set()
 
@@ -90,7 +92,9 @@ class Combiner:
         if call.state == _ALONE:
             return self._store.run(body)
         if call.error is not None:
-            raise call.error
+            # One exception object per caller: threads raising the same one would
+            # write their tracebacks into it at once.
+            raise StoreUnavailableError(str(call.error)) from call.error
         return call.value  # type: ignore[no-any-return]
 
     def _lead(self, call: _Call[T]) -> T:
@@ -133,9 +137,10 @@ class Combiner:
             following.ready.set()
 
     def _abandon(self, call: _Call[T]) -> None:
-        """A queued caller interrupted while waiting: still queued, it leaves the queue;
-        taken by a leader, its body runs anyway (nobody reads the outcome); woken to
-        lead, it hands that on."""
+        """A queued caller leaves by an exception (interrupted while it waited, or as a
+        leader): still queued, it leaves the queue; taken by a leader, its body runs
+        anyway (nobody reads the outcome); leading, it hands that on, unless its
+        transaction's end did."""
         with self._lock:
             if call in self._queue:
                 self._queue.remove(call)
