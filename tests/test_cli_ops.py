@@ -85,14 +85,22 @@ class Cli:
         return json.loads(result.stdout)
 
     def popen(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-        return subprocess.Popen(
-            [sys.executable, "-m", "workpool", *args],
-            cwd=self.directory,
-            env={**self.env, **(env or {})},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        # A suite started in the background (`make test &`) has SIGINT ignored, and exec
+        # keeps an ignored signal ignored: the command would never see the Ctrl-C that
+        # `stop` sends. A handled signal is reset to its default at exec, as a terminal
+        # would give it.
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            return subprocess.Popen(
+                [sys.executable, "-m", "workpool", *args],
+                cwd=self.directory,
+                env={**self.env, **(env or {})},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        finally:
+            signal.signal(signal.SIGINT, previous)
 
 
 @contextmanager
