@@ -2,7 +2,8 @@
 
 Callers that arrive while another's transaction is open share the next one; a body
 that fails it sends every caller back to run its own alone, so each meets only its
-own error; an interrupted waiter leaves the queue without stalling it. The App uses
+own error (the store unavailable fails them all); an interrupted waiter leaves the
+queue without stalling it. The App uses
 it for small enqueues where the store says it pays (SQLite); the mechanism itself
 is store-neutral and tested on both.
 """
