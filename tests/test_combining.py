@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from conftest import run_until_idle, store_kind, wait_for
+from conftest import Recorder, run_until_idle, store_kind, wait_for
 from workpool.core.errors import StoreUnavailableError
 from workpool.store.combine import Combiner
 
@@ -191,31 +191,24 @@ def test_an_interrupted_waiter_leaves_the_queue_and_the_others_go_on(app, user_t
     assert combiner.run(_inserting(user_table, "o", txs)) == "O"
 
 
-def test_enqueues_from_many_threads_each_land_once_with_their_own_args(app):
-    seen: list[int] = []
-    lock = threading.Lock()
-
+def test_enqueues_from_many_threads_each_land_once_with_their_own_args(app, rec):
     @app.action(name="note")
     def note(i: int) -> None:
-        with lock:
-            seen.append(i)
+        rec.add(i=i)
 
     pool = app.pool("crowd", max_parallelism=50)
-    ids: list[str] = []
-    commits = Counter[str]()
+    enqueued, transactions = Recorder(), Recorder()
     real_run = app.store.run
 
     def counted_run(fn: Any, **kw: Any) -> Any:
-        commits["transactions"] += 1
+        transactions.add()
         return real_run(fn, **kw)
 
     app.store.run = counted_run  # counts the transactions; the store itself is real
 
     def producer(base: int) -> None:
         for k in range(40):
-            work_id = pool.enqueue_action("note", {"i": base + k})
-            with lock:
-                ids.append(work_id)
+            enqueued.add(id=pool.enqueue_action("note", {"i": base + k}))
 
     threads = [threading.Thread(target=producer, args=(t * 1000,)) for t in range(12)]
     for thread in threads:
@@ -223,13 +216,14 @@ def test_enqueues_from_many_threads_each_land_once_with_their_own_args(app):
     for thread in threads:
         thread.join(60)
     del app.store.run
+    ids = enqueued.values("id")
     assert len(set(ids)) == 480
     assert {pool.status(i).state for i in ids} == {"pending"}
     run_until_idle(app, pools=["crowd"], concurrency=20)
-    assert sorted(seen) == sorted(t * 1000 + k for t in range(12) for k in range(40))
+    assert sorted(rec.values("i")) == sorted(t * 1000 + k for t in range(12) for k in range(40))
     if store_kind(app.url) == "sqlite":
         assert app.store.combines_writes
-        assert commits["transactions"] < 480  # some enqueues shared a commit
+        assert len(transactions.calls) < 480  # some enqueues shared a commit
     else:
         assert not app.store.combines_writes
-        assert commits["transactions"] >= 480
+        assert len(transactions.calls) >= 480
