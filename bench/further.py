@@ -1,7 +1,7 @@
 """workpool alone on workloads beyond the issue's: the paths a user meets that
 the side-by-side benchmark does not time (queries, mutations, async actions,
 failures, many pools, a 200k batch, status and cancel of it, a drain of 500k,
-scheduled work, producers on threads and in asyncio).
+scheduled work, producers on threads, in asyncio and in processes).
 
     bench/.venv/bin/python bench/further.py [--store sqlite|postgresql] [--only a,b]
 
@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import itertools
 import logging
+import multiprocessing
 import os
 import tempfile
 import threading
@@ -43,7 +44,11 @@ def fresh_url(store: str) -> str:
 
 
 def build(store: str) -> Any:
-    app = workpool.App(fresh_url(store))
+    return build_at(fresh_url(store))
+
+
+def build_at(url: str) -> Any:
+    app = workpool.App(url)
 
     @app.action(name="noop")
     def noop(i: int) -> None:
@@ -190,6 +195,42 @@ def threads(store: str) -> None:
     app.close()
 
 
+def _produce_in_process(url: str, calls: int, ready: Any, go: Any, took: Any) -> None:
+    app = build_at(url)
+    pool = app.pool("p")
+    pool.enqueue_action("noop", {"i": 0})  # connect first
+    ready.release()
+    go.wait()
+    started = time.perf_counter()
+    for i in range(calls):
+        pool.enqueue_action("noop", {"i": i})
+    took.put((started, time.perf_counter()))
+    app.close()
+
+
+def processes(store: str) -> None:
+    app = build(store)
+    app.pool("p", max_parallelism=100_000)
+    url = app.url
+    app.close()
+    spawn = multiprocessing.get_context("spawn")
+    for count in (1, 4, 16):
+        calls = 8000 // count
+        ready, go, took = spawn.Semaphore(0), spawn.Event(), spawn.Queue()
+        args = (url, calls, ready, go, took)
+        children = [spawn.Process(target=_produce_in_process, args=args) for _ in range(count)]
+        for child in children:
+            child.start()
+        for _ in children:
+            ready.acquire()
+        go.set()
+        spans = [took.get() for _ in children]
+        for child in children:
+            child.join()
+        rate = count * calls / (max(e for _, e in spans) - min(s for s, _ in spans))
+        report(store, f"single enqueues from {count} process(es): calls/s", f"{rate:,.0f}")
+
+
 def async_producers(store: str) -> None:
     app = build(store)
     pool = app.pool("p", max_parallelism=100_000)
@@ -232,6 +273,7 @@ WORKLOADS: dict[str, Callable[[str], None]] = {
     "scheduled": scheduled,
     "threads": threads,
     "async-producers": async_producers,
+    "processes": processes,
 }
 
 
