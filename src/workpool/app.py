@@ -151,6 +151,7 @@ class App:
                 and self.store.combines_writes
                 and not readonly
                 and not self.store.in_transaction()
+                and self.store.may_wait()  # a combined call may wait for another's
             ):
                 return self._combiner.run(body)
             return self.store.run(body, readonly=readonly, snapshot=snapshot)
@@ -164,6 +165,13 @@ class App:
                 f"tx must be a workpool Tx or a connection of this store's driver, got {show(tx)}"
             )
         return body(adopted)
+
+    def _writes_here(self) -> bool:
+        """Whether the calling thread may run a short write under the store's
+        ``without_waiting``: the store allows it, its schema is migrated already, and
+        the thread has no transaction open (an ``_async`` call runs apart from the
+        caller's transaction, as it would on a worker thread)."""
+        return self._ready and self.store.writes_without_waiting and not self.store.in_transaction()
 
     def _migrate(self) -> None:
         if self._ready:

@@ -34,7 +34,15 @@ from workpool.core.validation import (
 from workpool.observability import events
 from workpool.observability.stats import PoolStats, counters_stats, pool_stats
 from workpool.runtime.completion import Changes
-from workpool.store.base import Counters, FnKind, NewBatch, PoolConfig, StatusRow, Tx
+from workpool.store.base import (
+    Counters,
+    FnKind,
+    NewBatch,
+    PoolConfig,
+    StatusRow,
+    Tx,
+    WouldWait,
+)
 
 if TYPE_CHECKING:
     from workpool.app import App
@@ -63,11 +71,20 @@ CLIENT_ID = "client"  # worker id under which client-side cancels are counted
 
 
 def _async_twin(
-    fn: Callable[Concatenate[Pool, P], R],
+    fn: Callable[Concatenate[Pool, P], R], *, here: bool = False
 ) -> Callable[Concatenate[Pool, P], Awaitable[R]]:
-    """The ``_async`` twin of a client method: the same code on a worker thread."""
+    """The ``_async`` twin of a client method: the same code on a worker thread.
+
+    ``here``: a single enqueue, which runs on the event loop's own thread when the
+    store's writes can end without waiting (SQLite) and nothing holds its lock:
+    handing it to a thread and back cost twice the enqueue itself (one task:
+    3.5-3.9k -> 12.9-14.7k calls/s). Should the lock be taken, it goes to a thread
+    after all, having written nothing there, so the loop never waits for it."""
 
     async def twin(self: Pool, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        if here and kwargs.get("tx") is None and self.app._writes_here():
+            with suppress(WouldWait), self.app.store.without_waiting():
+                return fn(self, *args, **kwargs)
         return await asyncio.to_thread(fn, self, *args, **kwargs)
 
     twin.__name__ = f"{fn.__name__}_async"
@@ -581,11 +598,11 @@ class Pool:
             store.notify(tx, [self.name])
         return changed
 
-    enqueue_action_async = _async_twin(enqueue_action)
+    enqueue_action_async = _async_twin(enqueue_action, here=True)
     enqueue_action_batch_async = _async_twin(enqueue_action_batch)
-    enqueue_mutation_async = _async_twin(enqueue_mutation)
+    enqueue_mutation_async = _async_twin(enqueue_mutation, here=True)
     enqueue_mutation_batch_async = _async_twin(enqueue_mutation_batch)
-    enqueue_query_async = _async_twin(enqueue_query)
+    enqueue_query_async = _async_twin(enqueue_query, here=True)
     enqueue_query_batch_async = _async_twin(enqueue_query_batch)
     status_async = _async_twin(status)
     status_batch_async = _async_twin(status_batch)

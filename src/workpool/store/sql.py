@@ -23,6 +23,7 @@ from workpool.store.base import (
     T,
     Tx,
     WorkerInfo,
+    WouldWait,
 )
 from workpool.store.sql_reads import ACTIVE_COLUMNS, IN_CHUNK, SqlReads, active_row, storable
 
@@ -143,6 +144,19 @@ class SqlStore(SqlReads, Store):
     def in_transaction(self) -> bool:
         return getattr(self._local, "tx", None) is not None
 
+    @contextmanager
+    def without_waiting(self) -> Iterator[None]:
+        if not self.writes_without_waiting:
+            raise NotImplementedError(f"{type(self).__name__} writes may wait")
+        self._local.nowait = True
+        try:
+            yield
+        finally:
+            self._local.nowait = False
+
+    def may_wait(self) -> bool:
+        return not getattr(self._local, "nowait", False)
+
     def run(self, fn: Callable[[Tx], T], *, readonly: bool = False, snapshot: bool = True) -> T:
         attempt = 0
         give_up = time.monotonic() + self.retry_window
@@ -157,6 +171,8 @@ class SqlStore(SqlReads, Store):
                     self.is_transient(exc) or self.is_transient(cause)
                 ):
                     raise
+                if not self.may_wait():
+                    raise WouldWait(str(cause)) from exc
                 if time.monotonic() > give_up:
                     raise StoreUnavailableError(
                         f"{self.url}: still failing after {self.retry_window:g} s of retries:"

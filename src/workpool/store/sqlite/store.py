@@ -13,7 +13,16 @@ from contextlib import contextmanager
 from typing import Any, ClassVar
 
 from workpool.core.errors import InvalidArgumentError, StoreUnavailableError
-from workpool.store.base import Counters, Deferred, Finishing, Tx, Upkeep, Watcher, minute_of
+from workpool.store.base import (
+    Counters,
+    Deferred,
+    Finishing,
+    Tx,
+    Upkeep,
+    Watcher,
+    WouldWait,
+    minute_of,
+)
 from workpool.store.sql import SqlStore, check_schema
 from workpool.store.sql_reads import IN_CHUNK, storable
 from workpool.store.sqlite.migrations import MIGRATIONS
@@ -89,6 +98,9 @@ class SqliteStore(SqlStore):
         self.path = path
         self.url = f"sqlite:///{path}"
         self.synchronous = synchronous.upper()
+        # A commit syncs the log to disk (FULL, EXTRA) or not (NORMAL, OFF: WAL mode
+        # syncs at checkpoints, which workers run on a thread of their own).
+        self.writes_without_waiting = self.synchronous in ("OFF", "NORMAL")
         self._connections: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
         self._writer = threading.Lock()
@@ -259,12 +271,22 @@ class SqliteStore(SqlStore):
         # Threads of one process queue on this mutex instead of on SQLite's busy
         # handler, which sleeps in steps of up to 100 ms; other processes still meet
         # the file lock and its busy timeout.
-        self._writer.acquire()
+        waits = self.may_wait()
+        if not self._writer.acquire(blocking=waits):
+            raise WouldWait("another thread of this process is writing")
         try:
             # IMMEDIATE takes the write lock up front: a deferred transaction that
             # later writes can fail with SQLITE_BUSY_SNAPSHOT, which no busy timeout
             # retries.
-            self._begin_immediate(tx.raw)
+            if waits:
+                self._begin_immediate(tx.raw)
+            else:
+                try:
+                    tx.raw.execute("BEGIN IMMEDIATE")
+                except sqlite3.OperationalError as exc:
+                    if self.is_transient(exc):
+                        raise WouldWait(str(exc)) from exc
+                    raise
         except BaseException:
             self._writer.release()
             raise

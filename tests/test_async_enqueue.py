@@ -1,0 +1,161 @@
+"""The ``_async`` single enqueues: on the event loop's own thread where the store's
+writes end without waiting (SQLite) and their lock is free, else on a worker
+thread; a lock held elsewhere never stops the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+import workpool
+from conftest import run_until_idle, store_kind
+
+
+class CountingExecutor(ThreadPoolExecutor):
+    """The loop's default executor, counting what ``asyncio.to_thread`` hands it."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=4)
+        self.calls = 0
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        self.calls += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+def _app_with_jobs(app: Any) -> tuple[Any, Any, Any, Any]:
+    @app.action(name="job")
+    def job(i: int) -> int:
+        return i
+
+    @app.mutation(name="mut")
+    def mut(tx: Any, i: int) -> int:
+        return i
+
+    @app.query(name="qry")
+    def qry(tx: Any, i: int) -> int:
+        return i
+
+    pool = app.pool("asy")
+    pool.stats()  # the schema exists: the first write needs no migration
+    return pool, job, mut, qry
+
+
+def test_single_async_enqueues_run_on_the_loop_where_writes_never_wait(
+    app: Any, store_url: str
+) -> None:
+    pool, job, mut, qry = _app_with_jobs(app)
+
+    async def client() -> tuple[int, list[str]]:
+        executor = CountingExecutor()
+        asyncio.get_running_loop().set_default_executor(executor)
+        ids = [await pool.enqueue_action_async(job, {"i": i}) for i in range(5)]
+        ids.append(await pool.enqueue_mutation_async(mut, {"i": 5}))
+        ids.append(await pool.enqueue_query_async(qry, {"i": 6}))
+        return executor.calls, ids
+
+    calls, ids = asyncio.run(client())
+    # SQLite: no hand-off at all. PostgreSQL: a round trip each, never on the loop.
+    assert calls == (0 if store_kind(store_url) == "sqlite" else 7)
+    assert len(set(ids)) == 7
+    run_until_idle(app)
+    assert [s.result for s in pool.status_batch(ids)] == [workpool.Success(i) for i in range(7)]
+
+
+def test_bad_input_to_an_async_enqueue_fails_at_the_call_and_writes_nothing(app: Any) -> None:
+    pool, job, _, _ = _app_with_jobs(app)
+
+    async def client() -> None:
+        with pytest.raises(TypeError):
+            await pool.enqueue_action_async(job, {"x": {1, 2}})
+        with pytest.raises(workpool.InvalidArgumentError):
+            await pool.enqueue_action_async(job, {}, run_at=1.0, run_after=1.0)
+
+    asyncio.run(client())
+    assert pool.stats().backlog == 0
+
+
+def _hold_for_the_loop(
+    hold: Callable[[threading.Event], None],
+) -> Callable[[Any], tuple[str, int, int]]:
+    """Runs ``hold`` (which keeps a write lock until its event is set) beside an
+    ``enqueue_action_async`` on the loop, and a ticker: the enqueue's id, the ticks
+    while the lock was held, and the loop's hand-offs to a thread."""
+
+    def run(pool: Any) -> tuple[str, int, int]:
+        release, holding = threading.Event(), threading.Event()
+
+        def holder() -> None:
+            hold(release)
+
+        async def client() -> tuple[str, int, int]:
+            executor = CountingExecutor()
+            asyncio.get_running_loop().set_default_executor(executor)
+            thread = threading.Thread(target=lambda: (holding.set(), holder()))
+            thread.start()
+            holding.wait()
+            await asyncio.sleep(0.05)  # the holder has the lock now
+            enqueue = asyncio.create_task(pool.enqueue_action_async("job", {"i": 1}))
+            ticks = 0
+            for _ in range(20):  # 0.2 s in which the loop must keep running
+                await asyncio.sleep(0.01)
+                ticks += 1
+            assert not enqueue.done() or store_kind(pool.app.store.url) == "postgres"
+            release.set()
+            work_id = await asyncio.wait_for(enqueue, 30)
+            calls = executor.calls
+            await asyncio.to_thread(thread.join)
+            return work_id, ticks, calls
+
+        return asyncio.run(client())
+
+    return run
+
+
+def test_an_async_enqueue_behind_another_threads_write_leaves_the_loop_running(
+    app: Any, store_url: str
+) -> None:
+    pool, _, _, _ = _app_with_jobs(app)
+
+    def hold(release: threading.Event) -> None:
+        with app.transaction() as tx:
+            # A write: on SQLite the process's writer lock and the file's.
+            pool.enqueue_action("job", {"i": 0}, tx=tx)
+            release.wait(10)
+
+    work_id, ticks, calls = _hold_for_the_loop(hold)(pool)
+    assert ticks == 20
+    assert calls >= 1  # waited on a thread (the ticker's sleep is not a hand-off)
+    assert pool.status(work_id).state == "pending"
+    assert pool.stats().backlog == 2
+
+
+def test_an_async_enqueue_behind_another_processs_write_leaves_the_loop_running(
+    app: Any, store_url: str
+) -> None:
+    if store_kind(store_url) != "sqlite":
+        pytest.skip("another connection's write blocks no enqueue on PostgreSQL")
+    pool, _, _, _ = _app_with_jobs(app)
+    path = app.store.path
+
+    def hold(release: threading.Event) -> None:
+        # A connection of its own, as another process has: only the file's lock.
+        other = sqlite3.connect(path, isolation_level=None)
+        try:
+            other.execute("BEGIN IMMEDIATE")
+            release.wait(10)
+            other.execute("COMMIT")
+        finally:
+            other.close()
+
+    work_id, ticks, calls = _hold_for_the_loop(hold)(pool)
+    assert ticks == 20
+    assert calls == 1
+    assert pool.status(work_id).state == "pending"
+    assert pool.stats().backlog == 1
