@@ -1,0 +1,208 @@
+"""SQLite only: writers of one file queue on the lock of ``<file>-writers`` from
+before ``BEGIN IMMEDIATE`` to after the COMMIT, across processes and store
+objects; readers do not; a dead writer's place is freed by the kernel."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from typing import Any
+
+import pytest
+
+import workpool
+from conftest import holds_for, wait_for
+from workpool.store.base import WouldWait
+
+pytestmark = pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+
+
+def _queue_taken(path: str) -> bool:
+    """Whether a writer holds the queue: tried on an open file of our own, as
+    another process would."""
+    fd = os.open(path + "-writers", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def _job_app(url: str) -> Any:
+    return _with_job(workpool.App(url))
+
+
+def _with_job(app: Any) -> Any:
+    @app.action(name="job")
+    def job(i: int) -> int:
+        return i
+
+    return app
+
+
+def test_a_write_transaction_holds_the_queue_and_a_read_does_not(app: Any) -> None:
+    path = _with_job(app).store.path
+    pool = app.pool("q")
+    pool.enqueue_action("job", {"i": 0})
+    assert not _queue_taken(path)
+    with app.store.transaction(readonly=True) as tx:  # as status() and stats() read
+        tx.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        assert not _queue_taken(path), "a read-only transaction queued"
+    with app.transaction() as tx:
+        pool.enqueue_action("job", {"i": 1}, tx=tx)
+        assert _queue_taken(path)
+    assert not _queue_taken(path)
+    with pytest.raises(RuntimeError), app.transaction() as tx:
+        pool.enqueue_action("job", {"i": 2}, tx=tx)
+        raise RuntimeError("rolled back")
+    assert not _queue_taken(path), "a rollback kept its place"
+    assert pool.stats().backlog == 2
+
+
+def test_a_writer_of_another_store_waits_its_turn_then_writes(store_url: str) -> None:
+    first, second = _job_app(store_url), _job_app(store_url)
+    try:
+        pool = second.pool("q")
+        pool.stats()
+        holding, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with first.transaction() as tx:
+                first.pool("q").enqueue_action("job", {"i": 0}, tx=tx)
+                holding.set()
+                release.wait(10)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        assert holding.wait(10)
+        ids: list[str] = []
+        enqueuer = threading.Thread(target=lambda: ids.append(pool.enqueue_action("job", {"i": 1})))
+        enqueuer.start()
+        holds_for(lambda: not ids, 0.5)  # it waits: no error, no write
+        release.set()
+        holder.join(10)
+        enqueuer.join(10)
+        assert len(ids) == 1
+        assert pool.status(ids[0]).state == "pending"
+        assert pool.stats().backlog == 2
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_killed_writer_frees_its_place_for_the_others(app: Any, store_url: str) -> None:
+    pool = _with_job(app).pool("q")
+    pool.stats()
+    code = textwrap.dedent(
+        f"""
+        import time, workpool
+        app = workpool.App({store_url!r})
+        with app.transaction() as tx:
+            tx.execute("CREATE TABLE held (x INTEGER)")
+            print("holding", flush=True)
+            time.sleep(60)
+        """
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "holding"
+        assert _queue_taken(app.store.path)
+        ids: list[str] = []
+        enqueuer = threading.Thread(target=lambda: ids.append(pool.enqueue_action("job", {})))
+        enqueuer.start()
+        holds_for(lambda: not ids, 0.3)
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        enqueuer.join(10)
+        assert len(ids) == 1
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+    assert pool.status(ids[0]).state == "pending"
+    assert not _queue_taken(app.store.path)
+    with app.transaction() as tx:
+        assert tx.execute("SELECT name FROM sqlite_master WHERE name = 'held'").fetchall() == []
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_queues_apart_from_its_parent(app: Any) -> None:
+    """A lock belongs to the open file, which a fork shares: a child that used its
+    parent's would find the queue free while the parent writes, and unlock it."""
+    store = _with_job(app).store
+    pool = app.pool("q")
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with app.transaction() as tx:
+            pool.enqueue_action("job", {"i": 0}, tx=tx)
+            holding.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert holding.wait(10)
+        pid = os.fork()
+        if pid == 0:  # the child: may it enter while the parent's writer is inside?
+            code = 1
+            try:
+                store._enter_queue(waits=False)
+            except WouldWait:
+                code = 0
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the child entered the parent's place"
+        assert _queue_taken(store.path)
+    finally:
+        release.set()
+        holder.join(10)
+    wait_for(lambda: not _queue_taken(store.path), 5)
+    assert pool.stats().backlog == 1
+
+
+def test_an_async_enqueue_goes_to_a_thread_while_another_store_writes(store_url: str) -> None:
+    import asyncio
+
+    first, second = _job_app(store_url), _job_app(store_url)
+    try:
+        pool = second.pool("q")
+        pool.stats()
+        holding, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with first.transaction() as tx:
+                first.pool("q").enqueue_action("job", {"i": 0}, tx=tx)
+                holding.set()
+                release.wait(10)
+
+        async def client() -> tuple[str, int]:
+            holder = threading.Thread(target=hold)
+            holder.start()
+            holding.wait(10)
+            enqueue = asyncio.create_task(pool.enqueue_action_async("job", {"i": 1}))
+            ticks = 0
+            started = time.monotonic()
+            while time.monotonic() - started < 0.3:  # the loop keeps running meanwhile
+                await asyncio.sleep(0.01)
+                ticks += 1
+            assert not enqueue.done()
+            release.set()
+            work_id = await asyncio.wait_for(enqueue, 10)
+            await asyncio.to_thread(holder.join, 10)
+            return work_id, ticks
+
+        work_id, ticks = asyncio.run(client())
+        assert ticks >= 10
+        assert pool.status(work_id).state == "pending"
+    finally:
+        first.close()
+        second.close()
