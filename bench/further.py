@@ -1,7 +1,7 @@
 """workpool alone on workloads beyond the issue's: the paths a user meets that
 the side-by-side benchmark does not time (queries, mutations, async actions,
 failures, many pools, a 200k batch, status and cancel of it, a drain of 500k,
-scheduled work, producers on threads, in asyncio and in processes).
+scheduled work, producers on threads, in asyncio and in processes, producers beside workers).
 
     bench/.venv/bin/python bench/further.py [--store sqlite|postgresql] [--only a,b]
 
@@ -48,6 +48,10 @@ def build(store: str) -> Any:
 
 
 def build_at(url: str) -> Any:
+    logger = logging.getLogger("workpool")
+    if not logger.handlers:  # in spawned processes too: only the numbers are printed
+        logger.addHandler(logging.NullHandler())
+        logger.propagate = False
     app = workpool.App(url)
 
     @app.action(name="noop")
@@ -231,6 +235,64 @@ def processes(store: str) -> None:
         report(store, f"single enqueues from {count} process(es): calls/s", f"{rate:,.0f}")
 
 
+def _work_in_process(url: str, stop: Any) -> None:
+    app = build_at(url)
+    threading.Thread(target=lambda: (stop.wait(), app.stop_workers()), daemon=True).start()
+    app.run_worker(concurrency=100)
+    app.close()
+
+
+def _produce_for(url: str, seconds: float, ready: Any, go: Any, took: Any) -> None:
+    app = build_at(url)
+    pool = app.pool("p")
+    pool.enqueue_action("noop", {"i": 0})
+    ready.release()
+    go.wait()
+    calls, until = 0, time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        pool.enqueue_action("noop", {"i": calls})
+        calls += 1
+    took.put(calls)
+    app.close()
+
+
+def mixed(store: str) -> None:
+    """Producer processes enqueue one item at a time while 2 worker processes drain."""
+    spawn = multiprocessing.get_context("spawn")
+    for count in (1, 4):
+        app = build(store)
+        pool = app.pool("p", max_parallelism=100_000)
+        pool.enqueue_action("noop", {"i": 0})  # writes the limit before anyone reads it
+        stop = spawn.Event()
+        workers = [spawn.Process(target=_work_in_process, args=(app.url, stop)) for _ in range(2)]
+        for worker in workers:
+            worker.start()
+        ready, go, took = spawn.Semaphore(0), spawn.Event(), spawn.Queue()
+        args = (app.url, 5.0, ready, go, took)
+        children = [spawn.Process(target=_produce_for, args=args) for _ in range(count)]
+        for child in children:
+            child.start()
+        for _ in children:
+            ready.acquire()
+        time.sleep(1.0)  # the workers are up and idle
+        go.set()
+        calls = sum(took.get() for _ in children)
+        for child in children:
+            child.join()
+        while (stats := pool.stats()).backlog or stats.running:
+            time.sleep(0.05)
+        stop.set()
+        for worker in workers:
+            worker.join(30)
+        lags = f"{stats.start_lag_p50 * 1e3:.0f} / {stats.start_lag_p99 * 1e3:.0f}"
+        report(
+            store,
+            f"{count} producer process(es) + 2 workers: enqueues/s, lag p50/p99 ms",
+            f"{calls / 5.0:,.0f}, {lags}",
+        )
+        app.close()
+
+
 def async_producers(store: str) -> None:
     app = build(store)
     pool = app.pool("p", max_parallelism=100_000)
@@ -274,6 +336,7 @@ WORKLOADS: dict[str, Callable[[str], None]] = {
     "threads": threads,
     "async-producers": async_producers,
     "processes": processes,
+    "mixed": mixed,
 }
 
 
@@ -282,8 +345,6 @@ def main() -> None:
     parser.add_argument("--store", choices=["sqlite", "postgresql"], action="append")
     parser.add_argument("--only", help="comma-separated: " + ", ".join(WORKLOADS))
     args = parser.parse_args()
-    logging.getLogger("workpool").addHandler(logging.NullHandler())
-    logging.getLogger("workpool").propagate = False
     names = args.only.split(",") if args.only else list(WORKLOADS)
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
