@@ -1,15 +1,17 @@
 """workpool alone on workloads beyond the issue's: the paths a user meets that
 the side-by-side benchmark does not time (queries, mutations, async actions,
 failures, many pools, a 200k batch, status and cancel of it, a drain of 500k,
-scheduled work, producers on threads, in asyncio and in processes, producers beside workers).
+scheduled work, producers on threads, in asyncio and in processes, and
+producer processes beside draining workers).
 
     bench/.venv/bin/python bench/further.py [--store sqlite|postgresql] [--only a,b]
 
 Each workload gets a fresh store (a new SQLite file; PostgreSQL: the database
 `bench_further`, dropped and created again) and runs its worker in this process
 (`run_worker(until_idle=True)`, concurrency 400), so rates are of one process, not
-comparable with bench/run.py's two worker processes. It prints one line per
-number; nothing is checked against a target.
+comparable with bench/run.py's two worker processes; `processes` and `mixed`
+spawn producer (and, for `mixed`, 2 worker) processes of their own. It prints
+one line per number; nothing is checked against a target.
 """
 
 from __future__ import annotations

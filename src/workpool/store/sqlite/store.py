@@ -322,8 +322,8 @@ class SqliteStore(SqlStore):
         sleeps past the moment the lock frees or spins for it, and with many
         processes most tries are in vain. Waiting in the kernel wakes the next
         writer as the last one lets go. Measured with 2 worker processes draining
-        while producer processes enqueue one item at a time (6 s, two runs each):
-        4 producers 2.4-2.9k -> 5.2-7.4k calls/s, 1 producer 2.9k -> 3.7-3.9k, the
+        while producer processes enqueue one item at a time (5-6 s, 3-4 runs each):
+        4 producers 2.4-3.5k -> 5.2-7.5k calls/s, 1 producer 2.9-3.4k -> 3.7-4.0k, the
         start lag unchanged; producers alone, 16: 5.9-6.4k -> 7.0-9.6k, but 4:
         13.4-13.6k -> 8.2-9.8k (polling, one of them wrote many transactions in a
         row while the others slept; now each turn wakes the next in line); the
