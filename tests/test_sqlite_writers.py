@@ -12,6 +12,8 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -48,6 +50,27 @@ def _with_job(app: Any) -> Any:
     return app
 
 
+@contextmanager
+def _writing(app: Any) -> Iterator[None]:
+    """A write transaction of ``app``, held open on another thread for the block."""
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with app.transaction() as tx:
+            app.pool("q").enqueue_action("job", {"i": 0}, tx=tx)
+            holding.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert holding.wait(10)
+        yield
+    finally:
+        release.set()
+        holder.join(10)
+
+
 def test_a_write_transaction_holds_the_queue_and_a_read_does_not(app: Any) -> None:
     path = _with_job(app).store.path
     pool = app.pool("q")
@@ -72,23 +95,11 @@ def test_a_writer_of_another_store_waits_its_turn_then_writes(store_url: str) ->
     try:
         pool = second.pool("q")
         pool.stats()
-        holding, release = threading.Event(), threading.Event()
-
-        def hold() -> None:
-            with first.transaction() as tx:
-                first.pool("q").enqueue_action("job", {"i": 0}, tx=tx)
-                holding.set()
-                release.wait(10)
-
-        holder = threading.Thread(target=hold)
-        holder.start()
-        assert holding.wait(10)
         ids: list[str] = []
         enqueuer = threading.Thread(target=lambda: ids.append(pool.enqueue_action("job", {"i": 1})))
-        enqueuer.start()
-        holds_for(lambda: not ids, 0.5)  # it waits: no error, no write
-        release.set()
-        holder.join(10)
+        with _writing(first):
+            enqueuer.start()
+            holds_for(lambda: not ids, 0.5)  # it waits: no error, no write
         enqueuer.join(10)
         assert len(ids) == 1
         assert pool.status(ids[0]).state == "pending"
@@ -139,18 +150,7 @@ def test_a_forked_child_queues_apart_from_its_parent(app: Any) -> None:
     parent's would find the queue free while the parent writes, and unlock it."""
     store = _with_job(app).store
     pool = app.pool("q")
-    holding, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with app.transaction() as tx:
-            pool.enqueue_action("job", {"i": 0}, tx=tx)
-            holding.set()
-            release.wait(10)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    try:
-        assert holding.wait(10)
+    with _writing(app):
         pid = os.fork()
         if pid == 0:  # the child: may it enter while the parent's writer is inside?
             code = 1
@@ -162,9 +162,6 @@ def test_a_forked_child_queues_apart_from_its_parent(app: Any) -> None:
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0, "the child entered the parent's place"
         assert _queue_taken(store.path)
-    finally:
-        release.set()
-        holder.join(10)
     wait_for(lambda: not _queue_taken(store.path), 5)
     assert pool.stats().backlog == 1
 
@@ -176,29 +173,17 @@ def test_an_async_enqueue_goes_to_a_thread_while_another_store_writes(store_url:
     try:
         pool = second.pool("q")
         pool.stats()
-        holding, release = threading.Event(), threading.Event()
-
-        def hold() -> None:
-            with first.transaction() as tx:
-                first.pool("q").enqueue_action("job", {"i": 0}, tx=tx)
-                holding.set()
-                release.wait(10)
 
         async def client() -> tuple[str, int]:
-            holder = threading.Thread(target=hold)
-            holder.start()
-            holding.wait(10)
-            enqueue = asyncio.create_task(pool.enqueue_action_async("job", {"i": 1}))
-            ticks = 0
-            started = time.monotonic()
-            while time.monotonic() - started < 0.3:  # the loop keeps running meanwhile
-                await asyncio.sleep(0.01)
-                ticks += 1
-            assert not enqueue.done()
-            release.set()
-            work_id = await asyncio.wait_for(enqueue, 10)
-            await asyncio.to_thread(holder.join, 10)
-            return work_id, ticks
+            with _writing(first):
+                enqueue = asyncio.create_task(pool.enqueue_action_async("job", {"i": 1}))
+                ticks = 0
+                started = time.monotonic()
+                while time.monotonic() - started < 0.3:  # the loop keeps running meanwhile
+                    await asyncio.sleep(0.01)
+                    ticks += 1
+                assert not enqueue.done()
+            return await asyncio.wait_for(enqueue, 10), ticks
 
         work_id, ticks = asyncio.run(client())
         assert ticks >= 10
