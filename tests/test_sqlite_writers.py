@@ -191,3 +191,30 @@ def test_an_async_enqueue_goes_to_a_thread_while_another_store_writes(store_url:
     finally:
         first.close()
         second.close()
+
+
+def test_writers_go_without_the_queue_where_the_file_system_has_no_flock(
+    app: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Some network file systems answer ``flock`` with ENOLCK: writes must still
+    work, meeting SQLite's lock alone."""
+    import errno
+
+    from workpool.store.sqlite import store as sqlite_store
+
+    real = sqlite_store.fcntl.flock
+    refused: list[int] = []
+
+    def no_locks(fd: int, operation: int) -> None:
+        if operation & fcntl.LOCK_EX:
+            refused.append(fd)
+            raise OSError(errno.ENOLCK, "No locks available")
+        real(fd, operation)
+
+    pool = _with_job(app).pool("q")
+    monkeypatch.setattr(sqlite_store.fcntl, "flock", no_locks)
+    ids = [pool.enqueue_action("job", {"i": i}) for i in range(3)]
+    assert len(refused) == 1, "the queue was tried again after it failed"
+    monkeypatch.undo()
+    assert not _queue_taken(app.store.path)
+    assert [pool.status(i).state for i in ids] == ["pending"] * 3

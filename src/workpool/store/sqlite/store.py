@@ -340,6 +340,13 @@ class SqliteStore(SqlStore):
             fcntl.flock(fd, fcntl.LOCK_EX if waits else fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as exc:
             raise WouldWait("another process is writing") from exc
+        except OSError:
+            # A file system without flock (ENOLCK): this store's writers go
+            # without the queue, as where the file cannot be made.
+            with self._lock:
+                self._queue = (os.getpid(), None)
+            os.close(fd)
+            return
         self._queued = fd
 
     def _leave_queue(self) -> None:
