@@ -81,41 +81,34 @@ def test_bad_input_to_an_async_enqueue_fails_at_the_call_and_writes_nothing(app:
     assert pool.stats().backlog == 0
 
 
-def _hold_for_the_loop(
-    hold: Callable[[threading.Event], None],
-) -> Callable[[Any], tuple[str, int, int]]:
-    """Runs ``hold`` (which keeps a write lock until its event is set) beside an
-    ``enqueue_action_async`` on the loop, and a ticker: the enqueue's id, the ticks
+def _enqueue_beside(
+    pool: Any, hold: Callable[[threading.Event, threading.Event], None]
+) -> tuple[str, int, int]:
+    """Runs ``hold(holding, release)`` on a thread (it sets ``holding`` once it holds
+    a write lock, and keeps the lock until ``release`` is set) and meanwhile an
+    ``enqueue_action_async`` and a ticker on the loop: the enqueue's id, the ticks
     while the lock was held, and the loop's hand-offs to a thread."""
+    holding, release = threading.Event(), threading.Event()
 
-    def run(pool: Any) -> tuple[str, int, int]:
-        release, holding = threading.Event(), threading.Event()
+    async def client() -> tuple[str, int, int]:
+        executor = CountingExecutor()
+        asyncio.get_running_loop().set_default_executor(executor)
+        thread = threading.Thread(target=hold, args=(holding, release))
+        thread.start()
+        assert holding.wait(10)
+        enqueue = asyncio.create_task(pool.enqueue_action_async("job", {"i": 1}))
+        ticks = 0
+        for _ in range(20):  # 0.2 s in which the loop must keep running
+            await asyncio.sleep(0.01)
+            ticks += 1
+        assert not enqueue.done() or store_kind(pool.app.store.url) == "postgres"
+        release.set()
+        work_id = await asyncio.wait_for(enqueue, 30)
+        calls = executor.calls
+        await asyncio.to_thread(thread.join)
+        return work_id, ticks, calls
 
-        def holder() -> None:
-            hold(release)
-
-        async def client() -> tuple[str, int, int]:
-            executor = CountingExecutor()
-            asyncio.get_running_loop().set_default_executor(executor)
-            thread = threading.Thread(target=lambda: (holding.set(), holder()))
-            thread.start()
-            holding.wait()
-            await asyncio.sleep(0.05)  # the holder has the lock now
-            enqueue = asyncio.create_task(pool.enqueue_action_async("job", {"i": 1}))
-            ticks = 0
-            for _ in range(20):  # 0.2 s in which the loop must keep running
-                await asyncio.sleep(0.01)
-                ticks += 1
-            assert not enqueue.done() or store_kind(pool.app.store.url) == "postgres"
-            release.set()
-            work_id = await asyncio.wait_for(enqueue, 30)
-            calls = executor.calls
-            await asyncio.to_thread(thread.join)
-            return work_id, ticks, calls
-
-        return asyncio.run(client())
-
-    return run
+    return asyncio.run(client())
 
 
 def test_an_async_enqueue_behind_another_threads_write_leaves_the_loop_running(
@@ -123,13 +116,14 @@ def test_an_async_enqueue_behind_another_threads_write_leaves_the_loop_running(
 ) -> None:
     pool, _, _, _ = _app_with_jobs(app)
 
-    def hold(release: threading.Event) -> None:
+    def hold(holding: threading.Event, release: threading.Event) -> None:
         with app.transaction() as tx:
             # A write: on SQLite the process's writer lock and the file's.
             pool.enqueue_action("job", {"i": 0}, tx=tx)
+            holding.set()
             release.wait(10)
 
-    work_id, ticks, calls = _hold_for_the_loop(hold)(pool)
+    work_id, ticks, calls = _enqueue_beside(pool, hold)
     assert ticks == 20
     assert calls >= 1  # waited on a thread (the ticker's sleep is not a hand-off)
     assert pool.status(work_id).state == "pending"
@@ -144,17 +138,18 @@ def test_an_async_enqueue_behind_another_processs_write_leaves_the_loop_running(
     pool, _, _, _ = _app_with_jobs(app)
     path = app.store.path
 
-    def hold(release: threading.Event) -> None:
+    def hold(holding: threading.Event, release: threading.Event) -> None:
         # A connection of its own, as another process has: only the file's lock.
         other = sqlite3.connect(path, isolation_level=None)
         try:
             other.execute("BEGIN IMMEDIATE")
+            holding.set()
             release.wait(10)
             other.execute("COMMIT")
         finally:
             other.close()
 
-    work_id, ticks, calls = _hold_for_the_loop(hold)(pool)
+    work_id, ticks, calls = _enqueue_beside(pool, hold)
     assert ticks == 20
     assert calls == 1
     assert pool.status(work_id).state == "pending"

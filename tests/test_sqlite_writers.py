@@ -4,6 +4,7 @@ objects; readers do not; a dead writer's place is freed by the kernel."""
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import os
 import signal
@@ -71,6 +72,21 @@ def _writing(app: Any) -> Iterator[None]:
         holder.join(10)
 
 
+@pytest.fixture
+def two_stores(store_url: str) -> Iterator[tuple[Any, Any]]:
+    """Two Apps on one file, each with a store object of its own, as two processes
+    have (a ``flock`` belongs to the open file, so they queue against each other):
+    the first App, and a pool of the second whose config is written."""
+    first, second = _job_app(store_url), _job_app(store_url)
+    try:
+        pool = second.pool("q")
+        pool.stats()
+        yield first, pool
+    finally:
+        first.close()
+        second.close()
+
+
 def test_a_write_transaction_holds_the_queue_and_a_read_does_not(app: Any) -> None:
     path = _with_job(app).store.path
     pool = app.pool("q")
@@ -90,23 +106,19 @@ def test_a_write_transaction_holds_the_queue_and_a_read_does_not(app: Any) -> No
     assert pool.stats().backlog == 2
 
 
-def test_a_writer_of_another_store_waits_its_turn_then_writes(store_url: str) -> None:
-    first, second = _job_app(store_url), _job_app(store_url)
-    try:
-        pool = second.pool("q")
-        pool.stats()
-        ids: list[str] = []
-        enqueuer = threading.Thread(target=lambda: ids.append(pool.enqueue_action("job", {"i": 1})))
-        with _writing(first):
-            enqueuer.start()
-            holds_for(lambda: not ids, 0.5)  # it waits: no error, no write
-        enqueuer.join(10)
-        assert len(ids) == 1
-        assert pool.status(ids[0]).state == "pending"
-        assert pool.stats().backlog == 2
-    finally:
-        first.close()
-        second.close()
+def test_a_writer_of_another_store_waits_its_turn_then_writes(
+    two_stores: tuple[Any, Any],
+) -> None:
+    first, pool = two_stores
+    ids: list[str] = []
+    enqueuer = threading.Thread(target=lambda: ids.append(pool.enqueue_action("job", {"i": 1})))
+    with _writing(first):
+        enqueuer.start()
+        holds_for(lambda: not ids, 0.5)  # it waits: no error, no write
+    enqueuer.join(10)
+    assert len(ids) == 1
+    assert pool.status(ids[0]).state == "pending"
+    assert pool.stats().backlog == 2
 
 
 def test_a_killed_writer_frees_its_place_for_the_others(app: Any, store_url: str) -> None:
@@ -166,31 +178,25 @@ def test_a_forked_child_queues_apart_from_its_parent(app: Any) -> None:
     assert pool.stats().backlog == 1
 
 
-def test_an_async_enqueue_goes_to_a_thread_while_another_store_writes(store_url: str) -> None:
-    import asyncio
+def test_an_async_enqueue_goes_to_a_thread_while_another_store_writes(
+    two_stores: tuple[Any, Any],
+) -> None:
+    first, pool = two_stores
 
-    first, second = _job_app(store_url), _job_app(store_url)
-    try:
-        pool = second.pool("q")
-        pool.stats()
+    async def client() -> tuple[str, int]:
+        with _writing(first):
+            enqueue = asyncio.create_task(pool.enqueue_action_async("job", {"i": 1}))
+            ticks = 0
+            started = time.monotonic()
+            while time.monotonic() - started < 0.3:  # the loop keeps running meanwhile
+                await asyncio.sleep(0.01)
+                ticks += 1
+            assert not enqueue.done()
+        return await asyncio.wait_for(enqueue, 10), ticks
 
-        async def client() -> tuple[str, int]:
-            with _writing(first):
-                enqueue = asyncio.create_task(pool.enqueue_action_async("job", {"i": 1}))
-                ticks = 0
-                started = time.monotonic()
-                while time.monotonic() - started < 0.3:  # the loop keeps running meanwhile
-                    await asyncio.sleep(0.01)
-                    ticks += 1
-                assert not enqueue.done()
-            return await asyncio.wait_for(enqueue, 10), ticks
-
-        work_id, ticks = asyncio.run(client())
-        assert ticks >= 10
-        assert pool.status(work_id).state == "pending"
-    finally:
-        first.close()
-        second.close()
+    work_id, ticks = asyncio.run(client())
+    assert ticks >= 10
+    assert pool.status(work_id).state == "pending"
 
 
 def test_writers_go_without_the_queue_where_the_file_system_has_no_flock(
