@@ -192,7 +192,10 @@ class SqliteStore(SqlStore):
 
     def _begin_immediate(self, conn: sqlite3.Connection) -> None:
         """``BEGIN IMMEDIATE``, trying again as soon as the holder of the file lock
-        has likely let go of it.
+        has likely let go of it. Since round 32 this store's writers wait for each
+        other in the writers' queue (``_enter_queue``) first, so this waits only for
+        a writer outside it (another program); the numbers below are from before
+        the queue, when it was how processes waited for each other.
 
         SQLite's own busy handler sleeps 1, 2, 5, 10 ... 100 ms between tries, so a
         worker waiting behind another process's short write would idle for tens of
