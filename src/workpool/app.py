@@ -166,12 +166,12 @@ class App:
             )
         return body(adopted)
 
-    def _writes_here(self) -> bool:
-        """Whether the calling thread may run a short write under the store's
-        ``without_waiting``: the store allows it, its schema is migrated already, and
-        the thread has no transaction open (an ``_async`` call runs apart from the
-        caller's transaction, as it would on a worker thread)."""
-        return self._ready and self.store.writes_without_waiting and not self.store.in_transaction()
+    def _loop_may_write(self) -> bool:
+        """Whether an ``_async`` enqueue may try its write from the calling thread (the
+        event loop's, see ``Pool._enqueue_async``): the schema is migrated already,
+        and the thread has no transaction open (an ``_async`` call runs apart from
+        the caller's transaction, as it would on a worker thread)."""
+        return self._ready and not self.store.in_transaction()
 
     def _migrate(self) -> None:
         if self._ready:

@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from contextlib import suppress
 from dataclasses import replace
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, NamedTuple, ParamSpec, TypeVar
 
 from workpool.core.errors import InvalidArgumentError, InvalidTypeError, show
 from workpool.core.ids import new_work_ids
@@ -71,20 +71,11 @@ CLIENT_ID = "client"  # worker id under which client-side cancels are counted
 
 
 def _async_twin(
-    fn: Callable[Concatenate[Pool, P], R], *, here: bool = False
+    fn: Callable[Concatenate[Pool, P], R],
 ) -> Callable[Concatenate[Pool, P], Awaitable[R]]:
-    """The ``_async`` twin of a client method: the same code on a worker thread.
-
-    ``here``: a single enqueue, which runs on the event loop's own thread when the
-    store's writes can end without waiting (SQLite) and nothing holds its lock:
-    handing it to a thread and back cost twice the enqueue itself (one task:
-    3.5-3.9k -> 12.9-14.7k calls/s). Should the lock be taken, it goes to a thread
-    after all, having written nothing there, so the loop never waits for it."""
+    """The ``_async`` twin of a client method: the same code on a worker thread."""
 
     async def twin(self: Pool, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        if here and kwargs.get("tx") is None and self.app._writes_here():
-            with suppress(WouldWait), self.app.store.without_waiting():
-                return fn(self, *args, **kwargs)
         return await asyncio.to_thread(fn, self, *args, **kwargs)
 
     twin.__name__ = f"{fn.__name__}_async"
@@ -345,6 +336,58 @@ class Pool:
             "query", fn, [args], None, on_complete, context, run_at, run_after, None, tx
         )[0]
 
+    # The single enqueues' twins are written out: they may run on the event loop
+    # itself (_enqueue_async), where the other twins always go to a thread.
+    async def enqueue_action_async(
+        self,
+        fn: Callable[..., Any] | str,
+        args: dict[str, Any] | None = None,
+        *,
+        retry: bool | RetryBehavior | None = None,
+        on_complete: Callable[..., Any] | str | None = None,
+        context: Any = None,
+        run_at: datetime | float | None = None,
+        run_after: float | None = None,
+        timeout: float | None = None,
+        tx: Any = None,
+    ) -> str:
+        """Async twin of :meth:`Pool.enqueue_action`."""
+        return await self._enqueue_async(
+            "action", fn, args, on_complete, context, run_at, run_after, retry, timeout, tx
+        )
+
+    async def enqueue_mutation_async(
+        self,
+        fn: Callable[..., Any] | str,
+        args: dict[str, Any] | None = None,
+        *,
+        on_complete: Callable[..., Any] | str | None = None,
+        context: Any = None,
+        run_at: datetime | float | None = None,
+        run_after: float | None = None,
+        tx: Any = None,
+    ) -> str:
+        """Async twin of :meth:`Pool.enqueue_mutation`."""
+        return await self._enqueue_async(
+            "mutation", fn, args, on_complete, context, run_at, run_after, tx=tx
+        )
+
+    async def enqueue_query_async(
+        self,
+        fn: Callable[..., Any] | str,
+        args: dict[str, Any] | None = None,
+        *,
+        on_complete: Callable[..., Any] | str | None = None,
+        context: Any = None,
+        run_at: datetime | float | None = None,
+        run_after: float | None = None,
+        tx: Any = None,
+    ) -> str:
+        """Async twin of :meth:`Pool.enqueue_query`."""
+        return await self._enqueue_async(
+            "query", fn, args, on_complete, context, run_at, run_after, tx=tx
+        )
+
     def enqueue_query_batch(
         self,
         fn: Callable[..., Any] | str,
@@ -382,6 +425,60 @@ class Pool:
         timeout: object,
         tx: object,
     ) -> list[str]:
+        job = self._prepare(
+            kind, fn, args_list, retry, on_complete, context, run_at, run_after, timeout, tx
+        )
+        return job.done(job.run())
+
+    async def _enqueue_async(
+        self,
+        kind: FnKind,
+        fn: object,
+        args: object,
+        on_complete: object,
+        context: object,
+        run_at: object,
+        run_after: object,
+        retry: object = None,
+        timeout: object = None,
+        tx: object = None,
+    ) -> str:
+        """A single enqueue's ``_async`` twin. Without a ``tx`` it is one small write in
+        a transaction of its own, which the store may run from the event loop itself
+        (SQLite: ``Store.without_waiting``; PostgreSQL: ``Store.run_async``): a
+        hand-off to a thread and back costs two wake-ups, as much as the write or more
+        (one task: SQLite 3.5-3.9k -> 12.9-14.7k calls/s, PostgreSQL 1.7k -> 2.8-2.9k;
+        8 tasks on PostgreSQL 3.9k -> 4.6-5.1k). Should the store find it would wait,
+        it has sent nothing, and the same enqueue, with the same ids, goes to a thread
+        as every other twin does: the loop never waits for a lock."""
+        job = self._prepare(
+            kind, fn, [args], retry, on_complete, context, run_at, run_after, timeout, tx
+        )
+        app, store = self.app, self.app.store
+        if job.alone and app._loop_may_write():
+            with suppress(WouldWait):
+                if store.writes_without_waiting:
+                    with store.without_waiting():
+                        return job.done(job.run())[0]
+                got = (await store.run_async(job.body))()
+                if got is not None:  # else the stored config changed: read it on a thread
+                    return job.done(got)[0]
+        return job.done(await asyncio.to_thread(job.run))[0]
+
+    def _prepare(
+        self,
+        kind: FnKind,
+        fn: object,
+        args_list: list[Any],
+        retry: object,
+        on_complete: object,
+        context: object,
+        run_at: object,
+        run_after: object,
+        timeout: object,
+        tx: object,
+    ) -> _Enqueue:
+        """An enqueue checked and made ready to run; it has written nothing."""
         # Bad input changes nothing: it is checked before the first write, or (args of
         # a streamed batch) rolls back the writes before it.
         registry = self.app.registry
@@ -478,31 +575,37 @@ class Pool:
             store.notify(tx, [self.name])
             return lambda: config
 
-        if stream:
-            got: PoolConfig | None = None
-            with suppress(_StaleConfig):
-                got = self.app.run(streamed)()
-            if got is None:  # the stored config changed since this Pool last saw it
-                got = self.app.run(lambda t: streamed(t, read=True))()
-        else:
-            got = self.app.run(body, tx=tx, combine=len(ids) <= COMBINE_MAX_ITEMS)()
-            if got is None:
-                got = self.app.run(lambda t: body(t, read=True), tx=tx)()
-        assert got is not None  # a run that reads the config always answers it
-        # Kept even from the caller's transaction, which may roll back: every insert
-        # made with it checks it against the stored config.
-        self._known = config = got
-        if events.LEVELS.get(config.log_level, events.REPORT) <= events.INFO:
-            for work_id in ids:
-                events.enqueued(
-                    config.log_level,
-                    pool=self.name,
-                    work_id=work_id,
-                    fn_name=spec.name,
-                    kind=kind,
-                    due_at=due_at,
-                )
-        return ids
+        def run() -> PoolConfig:
+            if stream:
+                got: PoolConfig | None = None
+                with suppress(_StaleConfig):
+                    got = self.app.run(streamed)()
+                if got is None:  # the stored config changed since this Pool last saw it
+                    got = self.app.run(lambda t: streamed(t, read=True))()
+            else:
+                got = self.app.run(body, tx=tx, combine=len(ids) <= COMBINE_MAX_ITEMS)()
+                if got is None:
+                    got = self.app.run(lambda t: body(t, read=True), tx=tx)()
+            assert got is not None  # a run that reads the config always answers it
+            return got
+
+        def done(config: PoolConfig) -> list[str]:
+            # Kept even from the caller's transaction, which may roll back: every
+            # insert made with it checks it against the stored config.
+            self._known = config
+            if events.LEVELS.get(config.log_level, events.REPORT) <= events.INFO:
+                for work_id in ids:
+                    events.enqueued(
+                        config.log_level,
+                        pool=self.name,
+                        work_id=work_id,
+                        fn_name=spec.name,
+                        kind=kind,
+                        due_at=due_at,
+                    )
+            return ids
+
+        return _Enqueue(body, run, done, alone and not stream)
 
     # --- status ---------------------------------------------------------------------------
     def status(self, work_id: str, *, tx: Any = None) -> Status:
@@ -598,11 +701,8 @@ class Pool:
             store.notify(tx, [self.name])
         return changed
 
-    enqueue_action_async = _async_twin(enqueue_action, here=True)
     enqueue_action_batch_async = _async_twin(enqueue_action_batch)
-    enqueue_mutation_async = _async_twin(enqueue_mutation, here=True)
     enqueue_mutation_batch_async = _async_twin(enqueue_mutation_batch)
-    enqueue_query_async = _async_twin(enqueue_query, here=True)
     enqueue_query_batch_async = _async_twin(enqueue_query_batch)
     status_async = _async_twin(status)
     status_batch_async = _async_twin(status_batch)
@@ -641,6 +741,18 @@ def _check_ids(work_ids: object) -> list[str]:
 def _payloads(args_list: Sequence[Any]) -> list[str]:
     """Each args dict checked and serialised."""
     return [encode_json(check_args(args), "args") for args in args_list]
+
+
+class _Enqueue(NamedTuple):
+    """An enqueue checked and ready: ``run`` writes it (retried, on the calling
+    thread) and answers the pool's config, ``body`` is what ``run`` runs in its
+    transaction, ``done`` notes the config and answers the ids. ``alone``: a small
+    write in a transaction of its own."""
+
+    body: Callable[[Tx], Callable[[], PoolConfig | None]]
+    run: Callable[[], PoolConfig]
+    done: Callable[[PoolConfig], list[str]]
+    alone: bool
 
 
 class _StaleConfig(Exception):

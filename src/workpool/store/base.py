@@ -559,9 +559,24 @@ class Store(abc.ABC):
         return False
 
     @abc.abstractmethod
-    def run(self, fn: Callable[[Tx], T], *, readonly: bool = False, snapshot: bool = True) -> T:
+    def run(
+        self,
+        fn: Callable[[Tx], T],
+        *,
+        readonly: bool = False,
+        snapshot: bool = True,
+        retrying: bool = False,
+    ) -> T:
         """Run ``fn`` in a transaction (see ``transaction``), retrying the whole of it
-        on transient conflicts."""
+        on transient conflicts. ``retrying``: an earlier try, elsewhere, may have
+        committed (``Tx.retrying`` from the first try on)."""
+
+    async def run_async(self, fn: Callable[[Tx], T]) -> T:
+        """``run`` for a write that is one statement waiting for its COMMIT
+        (``Tx.defer``, ``alone``), sent from the event loop with no thread.
+        ``WouldWait``, having sent nothing, where the store has no such path or
+        ``fn`` needs more. Only once the schema is migrated."""
+        raise WouldWait(f"{type(self).__name__} sends nothing from the event loop")
 
     @abc.abstractmethod
     def savepoint(self, tx: Tx, *, keep: bool = True) -> AbstractContextManager[None]:

@@ -157,13 +157,20 @@ class SqlStore(SqlReads, Store):
     def may_wait(self) -> bool:
         return not getattr(self._local, "nowait", False)
 
-    def run(self, fn: Callable[[Tx], T], *, readonly: bool = False, snapshot: bool = True) -> T:
+    def run(
+        self,
+        fn: Callable[[Tx], T],
+        *,
+        readonly: bool = False,
+        snapshot: bool = True,
+        retrying: bool = False,
+    ) -> T:
         attempt = 0
         give_up = time.monotonic() + self.retry_window
         while True:
             try:
                 with self.transaction(readonly=readonly, snapshot=snapshot) as tx:
-                    tx.retrying = tx.retrying or attempt > 0  # nested: the outer's say
+                    tx.retrying = tx.retrying or retrying or attempt > 0  # nested: the outer's say
                     return fn(tx)
             except Exception as exc:
                 cause = exc.__cause__ if exc.__cause__ is not None else exc

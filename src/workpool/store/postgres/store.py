@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import random
 import re
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any, ClassVar
@@ -16,6 +18,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import psycopg
 import psycopg_pool
 from psycopg import errors as pg_errors
+from psycopg.conninfo import conninfo_to_dict
 
 from workpool.core.errors import InvalidArgumentError, StoreUnavailableError
 from workpool.core.histogram import LAG_BOUNDS
@@ -27,9 +30,11 @@ from workpool.store.base import (
     NewWork,
     PoolConfig,
     Retrying,
+    T,
     Tx,
     Upkeep,
     Watcher,
+    WouldWait,
     minute_of,
 )
 from workpool.store.fds import InputWait, readable
@@ -214,6 +219,19 @@ class PostgresStore(SqlStore):
         self._insert_sql: dict[tuple[bool, str, tuple[str | None, ...]], str] = {}
         self._conn_pool_lock = threading.Lock()
         self._migrated = False
+        # Connections of run_async, idle between its statements: any event loop may
+        # take one (psycopg binds an async connection to no loop while nothing waits
+        # on its lock, and one statement at a time runs on each). close() moves the
+        # generation on, so that connections out at the time are closed on return.
+        # A store dropped unclosed closes the idle ones quietly, as its pool does.
+        self._idle_async: list[psycopg.AsyncConnection[Any]] = []
+        self._async_generation = 0
+        weakref.finalize(self, _finish_all, self._idle_async)
+        self._async_connect: dict[str, Any] = (
+            {}
+            if "connect_timeout" in conninfo_to_dict(self.conninfo)
+            else {"connect_timeout": int(CONNECT_TIMEOUT_S)}
+        )
 
     # --- connections --------------------------------------------------------------------
     def _connections(self) -> psycopg_pool.ConnectionPool:
@@ -326,6 +344,59 @@ class PostgresStore(SqlStore):
     def q(self, tx: Tx, template: str, params: Sequence[Any] = ()) -> Any:
         return self._x(tx, self._sql(template), params)
 
+    async def run_async(self, fn: Callable[[Tx], T]) -> T:
+        # fn makes its statement in a transaction with no connection: one that would
+        # send a statement at once meets WouldWait there, before anything is sent.
+        tx = Tx(_NOT_CONNECTED, self, begin="BEGIN", owned=True)
+        answer = fn(tx)
+        if len(tx.deferred) != 1 or not tx.deferred[0].alone or tx.after_commit:
+            raise WouldWait("not one statement that may go alone")
+        statement = tx.deferred[0]
+        try:
+            statement.took(await self._send_alone(statement.sql, statement.params, statement.keep))
+        except Exception as exc:
+            if not self.is_transient(exc):
+                translated = self._translate(exc)
+                if translated is None:
+                    raise
+                raise translated from exc
+            # The connection may have been lost after the server committed: the
+            # retries, as run's, on a thread, ready to find their rows there.
+            return await asyncio.to_thread(self.run, fn, retrying=True)
+        return answer
+
+    async def _send_alone(self, sql: str, params: Sequence[Any], keep: bool) -> list[Any]:
+        """Run one statement in autocommit on an idle async connection (or a new one);
+        its rows if ``keep``."""
+        conn = self._idle_async_connection()
+        generation = self._async_generation
+        if conn is None:
+            conn = await psycopg.AsyncConnection.connect(
+                self.conninfo, autocommit=True, **self._async_connect
+            )
+        try:
+            cursor = await conn.execute(sql, params)
+            rows = await cursor.fetchall() if keep else []
+        except BaseException:
+            _finish(conn)  # in an unknown state (an error, a cancel): never reused
+            raise
+        with self._conn_pool_lock:
+            if generation == self._async_generation and len(self._idle_async) < self.pool_size:
+                self._idle_async.append(conn)
+                return rows
+        _finish(conn)
+        return rows
+
+    def _idle_async_connection(self) -> psycopg.AsyncConnection[Any] | None:
+        while True:
+            with self._conn_pool_lock:
+                if not self._idle_async:
+                    return None
+                conn = self._idle_async.pop()
+            if _alive(conn):
+                return conn
+            _finish(conn)
+
     def is_transient(self, exc: BaseException) -> bool:
         return isinstance(exc, TRANSIENT)
 
@@ -384,6 +455,10 @@ class PostgresStore(SqlStore):
             if self._conn_pool is not None:
                 self._conn_pool.close()
                 self._conn_pool = None
+            idle = self._idle_async[:]
+            self._idle_async.clear()
+            self._async_generation += 1
+        _finish_all(idle)
 
     def tidy(self, *, quick: bool = False) -> None:
         # VACUUM cannot run inside a transaction: our pooled connections are in
@@ -1050,7 +1125,7 @@ class PostgresStore(SqlStore):
             cur.executemany(sql, rows)
 
 
-def _alive(conn: psycopg.Connection[Any]) -> bool:
+def _alive(conn: psycopg.BaseConnection[Any]) -> bool:
     """False for a pooled connection that the server has closed while it was idle.
 
     Transactions send their BEGIN with their first statements, so a dead connection
@@ -1062,6 +1137,28 @@ def _alive(conn: psycopg.Connection[Any]) -> bool:
     if conn.closed or conn.broken:
         return False
     return not readable([conn.fileno()], 0)
+
+
+def _finish(conn: psycopg.BaseConnection[Any]) -> None:
+    """Close a connection without waiting: what ``AsyncConnection.close`` does, but
+    callable outside an event loop (``close``) and in a task being canceled."""
+    conn.pgconn.finish()
+
+
+def _finish_all(conns: list[psycopg.AsyncConnection[Any]]) -> None:
+    for conn in conns:
+        _finish(conn)
+
+
+class _NotConnected:
+    """The connection of a transaction that ``run_async`` makes its statement in: any
+    use of it would send something at once, which ``run_async`` does not do."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise WouldWait(f"the statement needs the connection ({name}) at once")
+
+
+_NOT_CONNECTED = _NotConnected()
 
 
 class _Listener(Watcher):
