@@ -145,3 +145,39 @@ def test_a_canceled_async_enqueue_leaves_no_connection_behind(app: Any, store_ur
     # The canceled call's connection, in an unknown state, was closed, not kept.
     assert _backend_pids(app) != [pid]
     wait_for(lambda: _gone(store_url, pid))
+
+
+def test_async_enqueues_open_at_most_pool_size_connections(store_url: str) -> None:
+    # Beyond pool_size busy connections, a call goes to a thread (and waits in the
+    # threads' pool) instead of opening one more: a burst of tasks cannot take the
+    # server's every connection.
+    sep = "&" if "?" in store_url else "?"
+    app = workpool.App(f"{store_url}{sep}pool_size=2")
+    try:
+        pool = _pool(app)
+        handed: list[int] = []
+
+        async def client() -> list[str]:
+            loop = asyncio.get_running_loop()
+            run_in_executor = loop.run_in_executor
+
+            def counted(executor: Any, fn: Any, *args: Any) -> Any:
+                handed.append(1)
+                return run_in_executor(executor, fn, *args)
+
+            loop.run_in_executor = counted  # type: ignore[method-assign]
+
+            async def one(k: int) -> list[str]:
+                return [await pool.enqueue_action_async("job", {"i": k * 5 + i}) for i in range(5)]
+
+            return [i for ids in await asyncio.gather(*(one(k) for k in range(8))) for i in ids]
+
+        ids = asyncio.run(client())
+        assert len(set(ids)) == 40
+        assert handed  # the tasks beyond the first two went to threads
+        assert app.store._async_open == len(app.store._idle_async) <= 2
+        run_until_idle(app)
+        results = [s.result for s in pool.status_batch(ids)]
+        assert sorted(r.return_value for r in results) == list(range(40))
+    finally:
+        app.close()

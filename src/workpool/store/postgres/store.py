@@ -221,10 +221,13 @@ class PostgresStore(SqlStore):
         self._migrated = False
         # Connections of run_async, idle between its statements: any event loop may
         # take one (psycopg binds an async connection to no loop while nothing waits
-        # on its lock, and one statement at a time runs on each). close() moves the
-        # generation on, so that connections out at the time are closed on return.
-        # A store dropped unclosed closes the idle ones quietly, as its pool does.
+        # on its lock, and one statement at a time runs on each). At most pool_size
+        # are open, as in the threads' pool; beyond them a call goes to a thread and
+        # waits there. close() moves the generation on, so that connections out at
+        # the time are closed on return. A store dropped unclosed closes the idle
+        # ones quietly, as its pool does.
         self._idle_async: list[psycopg.AsyncConnection[Any]] = []
+        self._async_open = 0
         self._async_generation = 0
         weakref.finalize(self, _finish_all, self._idle_async)
         self._async_connect: dict[str, Any] = (
@@ -366,36 +369,51 @@ class PostgresStore(SqlStore):
         return answer
 
     async def _send_alone(self, sql: str, params: Sequence[Any], keep: bool) -> list[Any]:
-        """Run one statement in autocommit on an idle async connection (or a new one);
-        its rows if ``keep``."""
-        conn = self._idle_async_connection()
-        generation = self._async_generation
+        """Run one statement in autocommit on an idle async connection, or a new one;
+        its rows if ``keep``. ``WouldWait`` (nothing sent) when pool_size are busy."""
+        conn, generation = self._take_async()
         if conn is None:
-            conn = await psycopg.AsyncConnection.connect(
-                self.conninfo, autocommit=True, **self._async_connect
-            )
+            try:
+                conn = await psycopg.AsyncConnection.connect(
+                    self.conninfo, autocommit=True, **self._async_connect
+                )
+            except BaseException:
+                self._drop_async(None)
+                raise
         try:
             cursor = await conn.execute(sql, params)
             rows = await cursor.fetchall() if keep else []
         except BaseException:
-            _finish(conn)  # in an unknown state (an error, a cancel): never reused
+            self._drop_async(conn)  # in an unknown state (an error, a cancel): never reused
             raise
         with self._conn_pool_lock:
-            if generation == self._async_generation and len(self._idle_async) < self.pool_size:
+            if generation == self._async_generation:
                 self._idle_async.append(conn)
                 return rows
-        _finish(conn)
+        self._drop_async(conn)
         return rows
 
-    def _idle_async_connection(self) -> psycopg.AsyncConnection[Any] | None:
+    def _take_async(self) -> tuple[psycopg.AsyncConnection[Any] | None, int]:
+        """An idle live connection, or None for one to open (counted already); and
+        the generation it belongs to."""
         while True:
             with self._conn_pool_lock:
+                generation = self._async_generation
                 if not self._idle_async:
-                    return None
+                    if self._async_open >= self.pool_size:
+                        raise WouldWait(f"all {self.pool_size} async connections are busy")
+                    self._async_open += 1
+                    return None, generation
                 conn = self._idle_async.pop()
             if _alive(conn):
-                return conn
+                return conn, generation
+            self._drop_async(conn)
+
+    def _drop_async(self, conn: psycopg.AsyncConnection[Any] | None) -> None:
+        if conn is not None:
             _finish(conn)
+        with self._conn_pool_lock:
+            self._async_open -= 1
 
     def is_transient(self, exc: BaseException) -> bool:
         return isinstance(exc, TRANSIENT)
@@ -457,6 +475,7 @@ class PostgresStore(SqlStore):
                 self._conn_pool = None
             idle = self._idle_async[:]
             self._idle_async.clear()
+            self._async_open -= len(idle)
             self._async_generation += 1
         _finish_all(idle)
 
