@@ -181,3 +181,18 @@ def test_async_enqueues_open_at_most_pool_size_connections(store_url: str) -> No
         assert sorted(r.return_value for r in results) == list(range(40))
     finally:
         app.close()
+
+
+def test_an_event_loop_psycopg_cannot_use_sends_the_enqueue_from_a_thread(
+    app: Any, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # psycopg refuses some loops (Windows' proactor loop) with an InterfaceError.
+    pool = _pool(app)
+
+    async def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise psycopg.InterfaceError("Psycopg cannot use the 'ProactorEventLoop'")
+
+    monkeypatch.setattr(psycopg.AsyncConnection, "connect", refuse)
+    work_id = asyncio.run(pool.enqueue_action_async("job", {"i": 3}))
+    assert _rows(store_url, work_id) == 1
+    assert app.store._async_open == 0

@@ -377,8 +377,12 @@ class PostgresStore(SqlStore):
                 conn = await psycopg.AsyncConnection.connect(
                     self.conninfo, autocommit=True, **self._async_connect
                 )
-            except BaseException:
+            except BaseException as exc:
                 self._drop_async(None)
+                if isinstance(exc, psycopg.InterfaceError):
+                    # This event loop cannot drive psycopg (Windows' proactor loop):
+                    # the call goes to a thread, as it would without this path.
+                    raise WouldWait(str(exc)) from exc
                 raise
         try:
             cursor = await conn.execute(sql, params)
