@@ -447,8 +447,8 @@ class Pool:
         a transaction of its own, which the store may run from the event loop itself
         (SQLite: ``Store.without_waiting``; PostgreSQL: ``Store.run_async``): a
         hand-off to a thread and back costs two wake-ups, as much as the write or more
-        (one task: SQLite 3.5-3.9k -> 12.9-14.7k calls/s, PostgreSQL 1.7k -> 2.8-2.9k;
-        8 tasks on PostgreSQL 3.9k -> 4.6-5.1k). Should the store find it would wait,
+        (one task: SQLite 3.5-3.9k -> 12.9-14.7k calls/s, PostgreSQL 1.6-1.8k ->
+        2.6-2.9k; 8 tasks on PostgreSQL 3.8k -> 4.4-5.0k). Should the store find it would wait,
         it has sent nothing, and the same enqueue, with the same ids, goes to a thread
         as every other twin does: the loop never waits for a lock."""
         job = self._prepare(

@@ -357,6 +357,8 @@ class PostgresStore(SqlStore):
         statement = tx.deferred[0]
         try:
             statement.took(await self._send_alone(statement.sql, statement.params, statement.keep))
+        except WouldWait:
+            raise  # nothing was sent
         except Exception as exc:
             if not self.is_transient(exc):
                 translated = self._translate(exc)
