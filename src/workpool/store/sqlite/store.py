@@ -58,6 +58,13 @@ WAL_BACKSTOP_PAGES = 10_000
 # The work table's columns that _work_columns makes, but args and context: the id
 # first.
 _WORK_COLUMNS = (0, 1, 2, 3, 5, 7, 8, 9, 10)
+# The insert of new work rows, those columns first (the three statements that
+# insert add their rows' values).
+_INSERT_WORK = (
+    "INSERT INTO {s}work (id, pool, kind, fn_name, on_complete, retry, timeout, state,"
+    " due_at, attempt, cancel_requested, handler_failures, lost_count, enqueued_at,"
+    " args, context)"
+)
 # Args and context up to this many characters together stay in the work row: small
 # enough that a row holding them is rewritten whole on each update at no real cost
 # and still fits in one 4 KB page (a character takes up to 4 bytes in UTF-8).
@@ -451,6 +458,12 @@ class SqliteStore(SqlStore):
         " THEN (SELECT p.context FROM {s}payloads p WHERE p.id = w.id) ELSE w.context END",
     }
 
+    _INSERT_ONE_IF = (
+        _INSERT_WORK + " SELECT ?, ?, ?, ?, ?, ?, ?, 'pending', ?, 0, 0, 0, 0, ?, ?, ?"
+        f" WHERE EXISTS (SELECT 1 FROM {{s}}pools WHERE ({SqlStore._POOL_COLUMNS})"
+        " IS (?, ?, ?, ?, ?, ?, ?, ?, ?)) ON CONFLICT (id) DO NOTHING"
+    )
+
     def insert_work_if(
         self,
         tx: Tx,
@@ -469,12 +482,7 @@ class SqliteStore(SqlStore):
             return super().insert_work_if(tx, items, config, notify=notify, at_commit=at_commit)
         inserted = self.q(
             tx,
-            "INSERT INTO {s}work (id, pool, kind, fn_name, on_complete, retry, timeout,"
-            " state, due_at, attempt, cancel_requested, handler_failures, lost_count,"
-            " enqueued_at, args, context)"
-            " SELECT ?, ?, ?, ?, ?, ?, ?, 'pending', ?, 0, 0, 0, 0, ?, ?, ?"
-            f" WHERE EXISTS (SELECT 1 FROM {{s}}pools WHERE ({self._POOL_COLUMNS})"
-            " IS (?, ?, ?, ?, ?, ?, ?, ?, ?)) ON CONFLICT (id) DO NOTHING",
+            self._INSERT_ONE_IF,
             (
                 *(columns[i][0] for i in _WORK_COLUMNS),
                 args[0],
@@ -521,9 +529,7 @@ class SqliteStore(SqlStore):
             # parser that ON begins the upsert, not a join.
             self.q(
                 tx,
-                "INSERT INTO {s}work (id, pool, kind, fn_name, on_complete, retry, timeout,"
-                " state, due_at, attempt, cancel_requested, handler_failures, lost_count,"
-                " enqueued_at, args, context) SELECT json_extract(value, '$[0]'),"
+                _INSERT_WORK + " SELECT json_extract(value, '$[0]'),"
                 " ?, ?, ?, ?, ?, ?, 'pending', ?, 0, 0, 0, 0, ?, json_extract(value, '$[1]'),"
                 " json_extract(value, '$[2]') FROM json_each(?) WHERE true"
                 " ON CONFLICT (id) DO NOTHING",
@@ -536,10 +542,7 @@ class SqliteStore(SqlStore):
         self._executemany(
             tx,
             self._sql(
-                "INSERT INTO {s}work (id, pool, kind, fn_name, on_complete, retry, timeout,"
-                " state, due_at, attempt, cancel_requested, handler_failures, lost_count,"
-                " enqueued_at, args, context)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', ?, 0, 0, 0, 0, ?, ?, ?)"
+                _INSERT_WORK + " VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', ?, 0, 0, 0, 0, ?, ?, ?)"
                 " ON CONFLICT (id) DO NOTHING"
             ),
             list(zip(*(columns[i] for i in _WORK_COLUMNS), args, contexts, strict=True)),
