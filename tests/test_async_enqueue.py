@@ -70,6 +70,26 @@ def test_single_async_enqueues_run_on_the_loop_where_writes_never_wait(
     assert [s.result for s in pool.status_batch(ids)] == [workpool.Success(i) for i in range(7)]
 
 
+def test_an_async_enqueue_follows_a_config_changed_by_another_client(
+    app: Any, store_url: str
+) -> None:
+    pool, _, _, _ = _app_with_jobs(app)
+    first = asyncio.run(pool.enqueue_action_async("job", {"i": 1}))  # the config is known
+    other = workpool.App(store_url)
+    try:
+        other.pool("asy").configure(max_parallelism=3)
+    finally:
+        other.close()
+    # The insert made with the config this Pool knew finds it changed, inserts
+    # nothing, and the enqueue reads the new one and inserts with it.
+    second = asyncio.run(pool.enqueue_action_async("job", {"i": 2}))
+    assert pool._known.max_parallelism == 3
+    assert pool.stats().backlog == 2
+    run_until_idle(app)
+    results = [s.result for s in pool.status_batch([first, second])]
+    assert results == [workpool.Success(1), workpool.Success(2)]
+
+
 def test_bad_input_to_an_async_enqueue_fails_at_the_call_and_writes_nothing(app: Any) -> None:
     pool, job, _, _ = _app_with_jobs(app)
 

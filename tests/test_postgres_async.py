@@ -1,5 +1,5 @@
 """PostgreSQL only: single ``_async`` enqueues sent from the event loop on connections
-of their own; lost connections, ambiguous commits, config changes, closing."""
+of their own; lost connections, ambiguous commits, bounds, closing."""
 
 from __future__ import annotations
 
@@ -102,20 +102,6 @@ def test_a_connection_lost_after_the_commit_retries_without_a_second_row(
     assert pool.stats().backlog == 2
     run_until_idle(app)
     assert pool.status(work_id).result == workpool.Success(7)
-
-
-def test_an_async_enqueue_after_the_config_changed_elsewhere_uses_the_new_one(
-    app: Any, store_url: str
-) -> None:
-    pool = _pool(app)
-    other = workpool.App(store_url)
-    try:
-        other.pool("pga").configure(max_parallelism=3)
-    finally:
-        other.close()
-    work_id = asyncio.run(pool.enqueue_action_async("job", {"i": 1}))
-    assert _rows(store_url, work_id) == 1
-    assert pool._known.max_parallelism == 3
 
 
 def test_close_closes_the_loops_connections(app: Any, store_url: str) -> None:
