@@ -180,6 +180,12 @@ def main() -> None:
         default=3,
         help="repetitions of the slow workloads (scale, idle)",
     )
+    ap.add_argument(
+        "--args-bytes",
+        type=int,
+        default=0,
+        help="pad each job's args in drain and on_complete with this many bytes (default 0)",
+    )
     ap.add_argument("--out", default=str(BENCH_DIR / "results"), help="results directory")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args()
@@ -194,7 +200,14 @@ def main() -> None:
             ap.error(f"unknown workload {g!r}; known: {', '.join(GROUPS)}")
     workloads = [w for g in groups for w in GROUPS[g]]
     repeat = args.repeat or (1 if args.quick else 3)
-    params = QUICK if args.quick else FULL
+    if args.args_bytes < 0:
+        ap.error(f"--args-bytes must be 0 or more, not {args.args_bytes}")
+    params = dict(QUICK if args.quick else FULL)
+    if args.args_bytes:
+        # The same jobs, each carrying a string of that many bytes more in its args,
+        # as an application's ids, keys and small documents would.
+        for w in ("drain", "on_complete"):
+            params[w] = dict(params[w], pad=args.args_bytes)
 
     if any(system_class(s).store == "postgresql" for s in systems) and not pg_available():
         print(

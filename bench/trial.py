@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import sys
 import tempfile
@@ -102,7 +103,11 @@ def enqueue_all(system: System, task: str, args: list[dict[str, Any]], batch: in
 # --- workloads --------------------------------------------------------------------------------
 def w_drain(system: System, ctx: Ctx) -> dict[str, Any]:
     n, batch = int(ctx.params["n"]), int(ctx.params["batch"])
-    enqueue_s = enqueue_all(system, "noop", [{"i": i} for i in range(n)], batch)
+    size = int(ctx.params.get("pad", 0))
+    # Random hex: a run of one letter would compress to nothing in PostgreSQL's TOAST.
+    pad = random.Random(0).randbytes(size).hex()[:size]
+    args = [{"i": i, "pad": pad} if pad else {"i": i} for i in range(n)]
+    enqueue_s = enqueue_all(system, "noop", args, batch)
     log(f"enqueued {n} in {enqueue_s:.2f}s")
     workers = ctx.start(system)
     w0, s0 = tree_cpu_seconds(workers.pids()), pg_server_cpu_seconds()

@@ -120,7 +120,7 @@ def worker_main(cfg: dict[str, Any]) -> None:
     )
 
     @DBOS.workflow(name="noop")
-    def noop(i: int) -> None:
+    def noop(i: int, pad: str = "") -> None:
         record(i)
 
     @DBOS.workflow(name="sleep")

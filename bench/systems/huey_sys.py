@@ -39,7 +39,7 @@ def build_huey(path: str, retry: dict[str, Any] | None = None) -> Any:
     retry = retry or {"max_attempts": 3, "backoff": 0.01}
 
     @huey.task(name="noop")
-    def noop(i: int) -> None:
+    def noop(i: int, pad: str = "") -> None:
         record(i)
 
     @huey.task(name="sleep")

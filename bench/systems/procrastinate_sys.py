@@ -40,7 +40,7 @@ def build_app(url: str, retry: dict[str, Any] | None = None) -> Any:
     app = procrastinate.App(connector=procrastinate.PsycopgConnector(conninfo=url))
 
     @app.task(name="noop")
-    async def noop(i: int) -> None:
+    async def noop(i: int, pad: str = "") -> None:
         record(i)
 
     @app.task(name="sleep")

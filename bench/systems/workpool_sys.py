@@ -39,7 +39,7 @@ def build_app(url: str, store: str) -> Any:
     table = "bench_done" if store == "sqlite" else "public.bench_done"
 
     @app.action(name="noop")
-    def noop(i: int) -> None:
+    def noop(i: int, pad: str = "") -> None:
         record(i)
 
     @app.action(name="sleep")
