@@ -1186,18 +1186,18 @@ def test_a_poisoned_row_fails_alone_and_the_pool_keeps_running(
 def test_work_whose_stored_payload_went_missing_fails_alone(
     app: workpool.App, store_url: str, fns: dict[str, Any]
 ) -> None:
-    """SQLite keeps big args and contexts in a payloads row, read after the claim's
-    COMMIT: work whose row went missing fails (its args "" are corrupt) with the
-    reason, alone, and its neighbours in the same claim succeed."""
-    if pg_schema_of(store_url) is not None:
-        pytest.skip("only SQLite keeps payloads in a table of their own")
+    """Big args and contexts live in a payloads row, read after the claim's COMMIT:
+    work whose row went missing fails (its args "" are corrupt) with the reason,
+    alone, and its neighbours in the same claim succeed."""
+    schema = pg_schema_of(store_url)
     app.clock = time.time  # a real worker runs here: real time
     pool = app.pool("lost", max_parallelism=5)
     big = {"pad": "x" * 1_000}
     lost = pool.enqueue_action("job", big, on_complete="on_done", context=big)
     goods = [pool.enqueue_action("job", big), pool.enqueue_action("job", {"i": 1})]
     with app.transaction() as tx:
-        tx.execute(f"DELETE FROM payloads WHERE id = {ph(store_url)}", (lost,))
+        prefix = f'"{schema}".' if schema else ""
+        tx.execute(f"DELETE FROM {prefix}payloads WHERE id = {ph(store_url)}", (lost,))
     assert Worker(app).run(timeout=30.0), "run_worker(until_idle=True) did not become idle"
     status = pool.status(lost)
     assert isinstance(status.result, workpool.Failed), status

@@ -65,7 +65,7 @@ HANDLER_ERROR = "RuntimeError: handler boom"
 HANDLER_TRIES = 5  # core.decide.HANDLER_RETRY.max_attempts, per docs/design.md
 HANDLER_BACKOFF = 0.5  # first handler retry after 0.5 s, then doubling
 MAX_LOST_RUNS = 5  # a mutation lost this many times in a row fails
-TABLES = ("work", "finished", "pools", "workers", "counters", "duties")
+TABLES = ("work", "finished", "payloads", "pools", "workers", "counters", "duties")
 BIG_WINDOW = 4 * 365 * 86_400.0  # the largest stats window: counters from the whole run
 
 
@@ -201,8 +201,7 @@ class WorkModel(RuleBasedStateMachine):
         app = self.app
         store = app.store
         prefix = getattr(store, "table_prefix", "")
-        tables = TABLES if prefix else (*TABLES, "payloads")  # SQLite's own table
-        app.run(lambda tx: [tx.execute(f"DELETE FROM {prefix}{t}") for t in tables])
+        app.run(lambda tx: [tx.execute(f"DELETE FROM {prefix}{t}") for t in TABLES])
         self.store = store
         self.clock = Clock()
         app.clock = self.clock

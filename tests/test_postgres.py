@@ -553,7 +553,7 @@ def test_a_claim_reads_big_payloads_after_its_commit_with_the_claim_lock_free(
 
 def test_payloads_are_compressed_with_lz4_where_the_server_has_it(pg_app: Any) -> None:
     """pglz compressed 800 KB of args in 6.5 ms, lz4 in 1.1 ms (and reads back faster):
-    the migration sets lz4 on the payload columns when the server supports it."""
+    the migrations set lz4 on the payload columns when the server supports it."""
     pg_app.pool("any").stats()  # creates the schema
     store = pg_app.store
     try:
@@ -562,14 +562,61 @@ def test_payloads_are_compressed_with_lz4_where_the_server_has_it(pg_app: Any) -
         pytest.skip("this PostgreSQL server was built without lz4")
     sql = (
         "SELECT attrelid::regclass::text, attname, attcompression FROM pg_attribute"
-        " WHERE attrelid IN (%s::regclass, %s::regclass)"
+        " WHERE attrelid IN (%s::regclass, %s::regclass, %s::regclass)"
         " AND attname IN ('args', 'context', 'result')"
     )
-    tables = (f"{store.table_prefix}work", f"{store.table_prefix}finished")
+    tables = [f"{store.table_prefix}{t}" for t in ("work", "finished", "payloads")]
     rows = store.run(lambda tx: tx.execute(sql, tables).fetchall())
-    assert sorted((name, c) for _, name, c in rows) == sorted(
-        [("args", "l"), ("context", "l"), ("result", "l"), ("args", "l"), ("result", "l")]
+    work = [("args", "l"), ("context", "l"), ("result", "l")]
+    finished, payloads = [("args", "l"), ("result", "l")], [("args", "l"), ("context", "l")]
+    assert sorted((name, c) for _, name, c in rows) == sorted([*work, *finished, *payloads])
+
+
+def test_args_over_inline_chars_are_written_once_and_pruned_with_their_finished_row(
+    pg_app: Any,
+) -> None:
+    """Args and context over INLINE_CHARS go to payloads at enqueue, the work row
+    keeping their size for a claim's budget; the job and its handler get them, the
+    finished row does not copy them (it reads them there), and the pool's cleanup
+    deletes them with it. Smaller ones stay in the rows as before."""
+    from workpool.store.postgres.store import INLINE_CHARS
+
+    ran: list[Any] = []
+
+    @pg_app.action(name="job")
+    def job(blob: str) -> str:
+        ran.append(blob)
+        return "ok"
+
+    @pg_app.mutation(name="handler")
+    def handler(tx: Any, work_id: str, context: Any, result: Any) -> None:
+        ran.append(context)
+
+    store = pg_app.store
+    s = store.table_prefix
+    big_args, context = {"blob": "b" * INLINE_CHARS}, {"c": "c" * 100}
+    pool = pg_app.pool("apart", max_parallelism=10)
+    big = pool.enqueue_action(job, big_args, on_complete=handler, context=context)
+    small = pool.enqueue_action(job, {"blob": "s"})
+    size = len(json.dumps(big_args, separators=(",", ":"))) + len(
+        json.dumps(context, separators=(",", ":"))
     )
+
+    def rows(sql: str) -> list[Any]:
+        return store.run(lambda tx: tx.execute(sql.format(s=s)).fetchall())
+
+    work = dict((r[0], r[1:]) for r in rows("SELECT id, args IS NULL, payload_bytes FROM {s}work"))
+    assert work == {big: (True, size), small: (False, None)}
+    assert [r[0] for r in rows("SELECT id FROM {s}payloads")] == [big]
+    assert pg_app.inspect(big).args == big_args
+    pg_app.run_worker(pools=["apart"], until_idle=True)
+    assert sorted(map(str, ran)) == sorted(["b" * INLINE_CHARS, "s", str(context)])
+    finished = dict(rows("SELECT id, args IS NULL FROM {s}finished"))
+    assert finished == {big: True, small: False}
+    assert pg_app.inspect(big).args == big_args
+    assert pg_app.inspect(small).args == {"blob": "s"}
+    assert store.run(lambda tx: store.prune(tx, "apart", time.time() + 1, 10)) == 2
+    assert rows("SELECT id FROM {s}finished") == rows("SELECT id FROM {s}payloads") == []
 
 
 def test_a_statement_held_in_a_pipeline_is_not_sent_after_its_transaction(

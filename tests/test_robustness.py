@@ -7,6 +7,7 @@ is bounded".
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -324,9 +325,11 @@ def test_an_enqueue_retried_after_an_ambiguous_commit_writes_each_item_once(app,
     app._migrate()
     store = app.store
     now = time.time()
+    # Two with args over either store's INLINE_CHARS: those go to payloads as well.
+    big = json.dumps({"pad": "x" * 600})
     items = [
-        NewWork(i, "ambiguous", "action", "noop", "{}", None, None, None, None, now, now)
-        for i in new_work_ids(5)
+        NewWork(i, "ambiguous", "action", "noop", big if k % 2 else "{}", *[None] * 4, now, now)
+        for k, i in enumerate(new_work_ids(5))
     ]
     store.run(lambda tx: store.insert_work(tx, items[:3]))  # the try whose COMMIT was lost
     lost: Exception = (
@@ -352,7 +355,8 @@ def test_an_enqueue_retried_after_an_ambiguous_commit_writes_each_item_once(app,
             ).fetchall()
         ]
     assert sorted(ids) == sorted(i.id for i in items)
-    assert [app.inspect(i.id).args for i in items] == [{}] * 5  # type: ignore[union-attr]
+    want = [json.loads(i.args) for i in items]
+    assert [app.inspect(i.id).args for i in items] == want  # type: ignore[union-attr]
 
 
 def test_many_apps_opening_a_new_store_at_once_all_open_it(store_url, tmp_path):

@@ -136,7 +136,7 @@ def test_status_ttl_expired_work_is_removed_by_the_pools_cleanup(app, store_url)
 
     pool = app.pool("short_lived", status_ttl=0.2)
     keep_pool = app.pool("long_lived")
-    big = {"blob": "x" * 5000}  # on SQLite, args this big live in their own table
+    big = {"blob": "x" * 5000}  # args this big live in their own table
     wid = pool.enqueue_action(job, big, run_after=60)
     kept = keep_pool.enqueue_action(job, big, run_after=60)
     pool.cancel(wid)
@@ -155,10 +155,10 @@ def test_status_ttl_expired_work_is_removed_by_the_pools_cleanup(app, store_url)
     assert app.inspect(wid) is None
     assert keep_pool.status(kept) == workpool.Finished(workpool.Canceled())
     assert app.inspect(kept).args == big  # type: ignore[union-attr]
-    if store_url.startswith("sqlite"):  # big args live in their own table there: gone too
-        with app.transaction() as tx:
-            ids = [r[0] for r in tx.execute("SELECT id FROM payloads").fetchall()]
-        assert ids == [kept]
+    prefix = getattr(app.store, "table_prefix", "")
+    with app.transaction() as tx:  # big args live in their own table: gone too
+        ids = [r[0] for r in tx.execute(f"SELECT id FROM {prefix}payloads").fetchall()]
+    assert ids == [kept]
 
 
 def test_status_ttl_of_work_finished_by_a_worker(app):

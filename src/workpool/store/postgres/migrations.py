@@ -137,4 +137,31 @@ MIGRATIONS: list[str] = [
     END
     $$;
     """,
+    # Args and context over INLINE_CHARS live in payloads, written once at enqueue
+    # and deleted with their finished row; the work row holds NULL args and the
+    # size of both (payload_bytes, for a claim's byte budget). In the work row they
+    # were copied by every update of it and again into finished, TOASTed anew there:
+    # with 2 KB args a PostgreSQL drain ran at 25-27k jobs/s, 33-39k without that
+    # last copy. Rows written before keep their args where they are.
+    """
+    CREATE TABLE {s}payloads (
+        id text PRIMARY KEY,
+        context text,
+        args text NOT NULL
+    ) WITH (autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 2000,
+            autovacuum_vacuum_insert_scale_factor = 0,
+            autovacuum_vacuum_insert_threshold = 5000);
+    ALTER TABLE {s}work ALTER args DROP NOT NULL, ADD COLUMN payload_bytes integer;
+    ALTER TABLE {s}finished ALTER args DROP NOT NULL;
+    DO $$
+    BEGIN
+        IF current_setting('server_version_num')::int >= 140000 THEN
+            EXECUTE 'ALTER TABLE {s}payloads ALTER args SET COMPRESSION lz4,'
+                ' ALTER context SET COMPRESSION lz4';
+        END IF;
+    EXCEPTION WHEN feature_not_supported THEN
+        NULL;
+    END
+    $$;
+    """,
 ]

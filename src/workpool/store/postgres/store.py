@@ -12,7 +12,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
-from typing import Any, ClassVar
+from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import psycopg
@@ -52,6 +52,10 @@ CLAIM_BYTES = 4_000_000
 # with them (the server's detoasting and sending, the client's receiving) and 1.3-1.6
 # ms without, while the other workers' claims waited.
 CLAIM_INLINE_BYTES = 8_192
+# Args and context over this many characters together are written to payloads, not
+# to the work row (migration 4 says why); smaller ones cost a row and an index entry
+# more there than their copies in the work and finished rows.
+INLINE_CHARS = 512
 # ``work`` below this many pages is read whole in about the time an index probe
 # takes, whatever plan its statistics lead to: no ANALYZE for it.
 STATS_MIN_PAGES = 8
@@ -193,11 +197,6 @@ class PostgresStore(SqlStore):
     skip_locked = " FOR UPDATE SKIP LOCKED"
     savepoints_cost = True  # SAVEPOINT and RELEASE: a round trip each
     streams_inserts = True
-    PAYLOAD_SQL: ClassVar[dict[str, str]] = {
-        "{args_w}": "w.args",
-        "{args_f}": "f.args",
-        "{context_w}": "w.context",
-    }
 
     def __init__(self, url: str, *, schema: str = "workpool") -> None:
         super().__init__()
@@ -711,11 +710,12 @@ class PostgresStore(SqlStore):
                 # The args and the contexts as rows of their own: a message of 1.6 MB
                 # costs the server and psycopg more per byte than two of 800 KB (3
                 # rows of 800 KB args and 800 KB context: 11-12 -> 8.6-9 ms).
-                match, params = self._id_in("id", ids)
+                match, params = self._id_in("w.id", ids)
                 rows = self.q(
                     rtx,
-                    f"SELECT id, false, args FROM {{s}}work WHERE {match} UNION ALL SELECT"
-                    f" id, true, context FROM {{s}}work WHERE {match} AND on_complete IS NOT NULL",
+                    f"SELECT w.id, false, {{args_w}} FROM {{s}}work w WHERE {match} UNION ALL"
+                    f" SELECT w.id, true, {{context_w}} FROM {{s}}work w WHERE {match}"
+                    " AND w.on_complete IS NOT NULL",
                     [*params, *params],
                 ).fetchall()
                 contexts = {r[0]: r[2] for r in rows if r[1]}
@@ -738,8 +738,8 @@ class PostgresStore(SqlStore):
         return (
             "SELECT tid FROM (SELECT tid, sum(size) OVER (ORDER BY due_at, id"
             " ROWS UNBOUNDED PRECEDING) - size AS before FROM (SELECT id,"
-            " ctid AS tid, due_at, octet_length(args) + CASE WHEN on_complete IS NULL"
-            " THEN 0 ELSE coalesce(octet_length(context), 0) END AS size"
+            " ctid AS tid, due_at, coalesce(payload_bytes, octet_length(args) + CASE WHEN"
+            " on_complete IS NULL THEN 0 ELSE coalesce(octet_length(context), 0) END) AS size"
             f" FROM {s}work WHERE pool = {pool}"
             " AND state = 'pending' AND due_at <= %s ORDER BY due_at, id"
             f" LIMIT {free}{self.skip_locked}) c) d WHERE before < {CLAIM_BYTES}"
@@ -825,12 +825,62 @@ class PostgresStore(SqlStore):
         ("timeout", "float8"),
         ("due_at", "float8"),
         ("enqueued_at", "float8"),
+        ("payload_bytes", "int"),
     )
 
     def _insert_columns(self, tx: Tx, columns: list[Sequence[Any]], at_commit: bool) -> None:
         if columns[0]:
+            columns, payloads = self._split_payloads(tx, columns, "")
             sql, params = self._insert_statement(tx, columns)
+            if payloads is not None:
+                sql, params = f"WITH pay AS ({payloads[0]}) {sql}", [*payloads[1], *params]
             self._write(tx, sql, params, at_commit=at_commit)  # at commit: one round trip less
+
+    def _split_payloads(
+        self, tx: Tx, columns: list[Sequence[Any]], where: str
+    ) -> tuple[list[Sequence[Any]], tuple[str, list[Any]] | None]:
+        """``_work_columns``' columns with payload_bytes added, the args and context
+        of the items over INLINE_CHARS left NULL; and the INSERT of those into
+        payloads (ending in ``where``) and its parameters, or None."""
+        ids, args, on_complete, contexts = columns[0], columns[4], columns[5], columns[6]
+        n = len(ids)
+        big = [
+            k
+            for k, (text, context) in enumerate(zip(args, contexts, strict=True))
+            if len(text) + len(context or "") > INLINE_CHARS
+        ]
+        if not big:
+            return [*columns, [None] * n], None
+        inline_args, inline_contexts = list(args), list(contexts)
+        sizes: list[int | None] = [None] * n
+        for k in big:
+            # What a claim reads of them (the context only for a handler), in
+            # characters: the claim's byte budget counts them as octet_length would.
+            sizes[k] = len(args[k]) + (0 if on_complete[k] is None else len(contexts[k] or ""))
+            inline_args[k] = inline_contexts[k] = None
+        # As in _insert_statement, a column of one value (a batch's shared context)
+        # goes once, not as an array of copies: 800 KB, not 8 MB for a batch of 10.
+        values, arrays, names, singles, params = [], [], [], [], []
+        for name, column in (("id", ids), ("context", contexts), ("args", args)):
+            picked = [column[k] for k in big]
+            if picked.count(picked[0]) == len(picked):
+                values.append("%b::text")
+                singles.append(picked[0])
+            else:
+                expr, param = array_param(picked, "text")
+                values.append(name)
+                arrays.append(expr)
+                names.append(name)
+                params.append(param)
+        rows = f" FROM unnest({', '.join(arrays)}) AS t({', '.join(names)})" if arrays else ""
+        conflict = " ON CONFLICT (id) DO NOTHING" if tx.retrying else ""
+        insert = (
+            f"INSERT INTO {self.table_prefix}payloads (id, context, args)"
+            f" SELECT {', '.join(values)}{rows}{where}{conflict}"
+        )
+        params = [*singles, *params]
+        split = [*columns[:4], inline_args, columns[5], inline_contexts, *columns[7:], sizes]
+        return split, (insert, params)
 
     # The pool's config, as _POOL_COLUMNS, compared whole: any change sends the
     # enqueue back to read it (one transaction more), never past a stale one.
@@ -855,9 +905,14 @@ class PostgresStore(SqlStore):
         columns = self._work_columns(items)
         if not columns[0]:
             return lambda: True
-        insert, params = self._insert_statement(tx, columns, " WHERE (SELECT same FROM ok)")
+        where = " WHERE (SELECT same FROM ok)"
+        columns, payloads = self._split_payloads(tx, columns, where)
+        insert, params = self._insert_statement(tx, columns, where)
         sql = f"WITH ok AS ({self._SAME_POOL.format(p=self.table_prefix)}), new AS ({insert})"
         params = [*self._pool_params(config), *params]
+        if payloads is not None:
+            sql += f", pay AS ({payloads[0]})"
+            params += payloads[1]
         answer = " SELECT same FROM ok"
         if notify:
             sql += ", woken AS (SELECT pg_notify(%s, %s) WHERE (SELECT same FROM ok))"
@@ -878,8 +933,8 @@ class PostgresStore(SqlStore):
         # of a batch) go as one value, not as an array of 1,000 copies.
         n = len(columns[0])
         # Per column: None for one value, else the array expression and its parameter.
-        # A single row takes no arrays at all: psycopg dumps eleven values instead of
-        # building eleven arrays, and the server has none to split and unnest (a
+        # A single row takes no arrays at all: psycopg dumps twelve values instead of
+        # building twelve arrays, and the server has none to split and unnest (a
         # single enqueue: 2.56 -> 2.14 ms, medians of 6 interleaved runs).
         shapes = [
             None if column.count(column[0]) == n else array_param(column, kind)
@@ -898,10 +953,11 @@ class PostgresStore(SqlStore):
             values = ", ".join(
                 f"%b::{kind}" if expr is None else name for (name, kind), expr in cols
             )
+            inserted = ", ".join(name for name, _ in self._INSERTED)
             sql = self._insert_sql[tx.retrying, where, exprs] = (
-                f"INSERT INTO {self.table_prefix}work (id, pool, kind, fn_name, args, on_complete,"
-                " context, retry, timeout, due_at, enqueued_at, state, attempt, cancel_requested,"
-                f" handler_failures, lost_count) SELECT {values}, 'pending', 0, 0, 0, 0"
+                f"INSERT INTO {self.table_prefix}work ({inserted}, state, attempt,"
+                " cancel_requested, handler_failures, lost_count) SELECT"
+                f" {values}, 'pending', 0, 0, 0, 0"
                 f"{f' FROM unnest({arrays}) AS t({names})' if arrays else ''}{where}{conflict}"
             )
         # The SELECT list's single values come first in the statement, then the arrays.
@@ -1119,14 +1175,16 @@ class PostgresStore(SqlStore):
         )
 
     def prune(self, tx: Tx, pool: str, before: float, limit: int) -> int:
-        cur = self._x(
+        s = self.table_prefix
+        row = self._x(
             tx,
-            f"DELETE FROM {self.table_prefix}finished WHERE id IN (SELECT id FROM"
-            f" {self.table_prefix}finished WHERE pool = %s AND finished_at < %s"
-            " ORDER BY finished_at LIMIT %s)",
+            f"WITH gone AS (DELETE FROM {s}finished WHERE id IN (SELECT id FROM {s}finished"
+            " WHERE pool = %s AND finished_at < %s ORDER BY finished_at LIMIT %s)"
+            f" RETURNING id, args IS NULL AS paid), unpaid AS (DELETE FROM {s}payloads"
+            " WHERE id IN (SELECT id FROM gone WHERE paid)) SELECT count(*) FROM gone",
             (pool, before, limit),
-        )
-        return int(cur.rowcount)
+        ).fetchone()
+        return int(row[0])
 
     def send_rows(self, connection: Any, sql: str, rows: list[Any]) -> None:
         # A handler's one-row INSERT, once per item of a batch: as rows of a few

@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, ClassVar
+from typing import Any
 
 from workpool.core.errors import InvalidArgumentError, StoreUnavailableError
 from workpool.store.base import (
@@ -451,12 +451,6 @@ class SqliteStore(SqlStore):
     # one b-tree fewer to write per enqueue. Bigger ones live in payloads, written once
     # at enqueue, as SQLite rewrites a whole row on every update (migrations 3 and 4
     # say more). A work row whose args are NULL has both in payloads.
-    PAYLOAD_SQL: ClassVar[dict[str, str]] = {
-        "{args_w}": "coalesce(w.args, (SELECT p.args FROM {s}payloads p WHERE p.id = w.id), '')",
-        "{args_f}": "coalesce(f.args, (SELECT p.args FROM {s}payloads p WHERE p.id = f.id), '')",
-        "{context_w}": "CASE WHEN w.args IS NULL"
-        " THEN (SELECT p.context FROM {s}payloads p WHERE p.id = w.id) ELSE w.context END",
-    }
 
     _INSERT_ONE_IF = (
         _INSERT_WORK + " SELECT ?, ?, ?, ?, ?, ?, ?, 'pending', ?, 0, 0, 0, 0, ?, ?, ?"
