@@ -1192,7 +1192,7 @@ def test_work_whose_stored_payload_went_missing_fails_alone(
     schema = pg_schema_of(store_url)
     app.clock = time.time  # a real worker runs here: real time
     pool = app.pool("lost", max_parallelism=5)
-    big = {"pad": "x" * 1_000}
+    big = {"pad": "x" * 2_100}
     lost = pool.enqueue_action("job", big, on_complete="on_done", context=big)
     goods = [pool.enqueue_action("job", big), pool.enqueue_action("job", {"i": 1})]
     with app.transaction() as tx:

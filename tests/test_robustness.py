@@ -326,7 +326,7 @@ def test_an_enqueue_retried_after_an_ambiguous_commit_writes_each_item_once(app,
     store = app.store
     now = time.time()
     # Two with args over either store's INLINE_CHARS: those go to payloads as well.
-    big = json.dumps({"pad": "x" * 600})
+    big = json.dumps({"pad": "x" * 2_100})
     items = [
         NewWork(i, "ambiguous", "action", "noop", big if k % 2 else "{}", *[None] * 4, now, now)
         for k, i in enumerate(new_work_ids(5))

@@ -55,8 +55,9 @@ class SqlStore(SqlReads, Store):
     for_update: ClassVar[str] = ""  # row lock on a read inside a write transaction
     # Where a row's args and context are read from, by {args_w}, {args_f} and
     # {context_w} in the shared queries (w: a work row, f: a finished one): the row
-    # itself, or payloads where its args are NULL (over INLINE_CHARS; the stores'
-    # migrations say why), "" when that row is missing (its work fails as corrupt).
+    # itself, or payloads where its args are NULL (over each store's INLINE_CHARS;
+    # their migrations say why), "" when that row is missing (its work fails as
+    # corrupt).
     PAYLOAD_SQL: ClassVar[dict[str, str]] = {
         "{args_w}": "coalesce(w.args, (SELECT p.args FROM {s}payloads p WHERE p.id = w.id), '')",
         "{args_f}": "coalesce(f.args, (SELECT p.args FROM {s}payloads p WHERE p.id = f.id), '')",
