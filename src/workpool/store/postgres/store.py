@@ -12,7 +12,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import psycopg
@@ -217,7 +217,7 @@ class PostgresStore(SqlStore):
         except ValueError:
             raise InvalidArgumentError(f"pool_size in {url!r} must be an int") from None
         self._conn_pool: psycopg_pool.ConnectionPool | None = None
-        self._insert_sql: dict[tuple[bool, str, tuple[str | None, ...]], str] = {}
+        self._insert_sql: dict[tuple[str, bool, str, tuple[str | None, ...]], str] = {}
         self._conn_pool_lock = threading.Lock()
         self._migrated = False
         # Connections of run_async, idle between its statements: any event loop may
@@ -833,7 +833,7 @@ class PostgresStore(SqlStore):
     def _insert_columns(self, tx: Tx, columns: list[Sequence[Any]], at_commit: bool) -> None:
         if columns[0]:
             columns, payloads = self._split_payloads(tx, columns, "")
-            sql, params = self._insert_statement(tx, columns)
+            sql, params = self._insert_statement(tx, "work", columns)
             if payloads is not None:
                 sql, params = f"WITH pay AS ({payloads[0]}) {sql}", [*payloads[1], *params]
             self._write(tx, sql, params, at_commit=at_commit)  # at commit: one round trip less
@@ -860,29 +860,9 @@ class PostgresStore(SqlStore):
             # characters: the claim's byte budget counts them as octet_length would.
             sizes[k] = len(args[k]) + (0 if on_complete[k] is None else len(contexts[k] or ""))
             inline_args[k] = inline_contexts[k] = None
-        # As in _insert_statement, a column of one value (a batch's shared context)
-        # goes once, not as an array of copies: 800 KB, not 8 MB for a batch of 10.
-        values, arrays, names, singles, params = [], [], [], [], []
-        for name, column in (("id", ids), ("context", contexts), ("args", args)):
-            picked = [column[k] for k in big]
-            if picked.count(picked[0]) == len(picked):
-                values.append("%b::text")
-                singles.append(picked[0])
-            else:
-                expr, param = array_param(picked, "text")
-                values.append(name)
-                arrays.append(expr)
-                names.append(name)
-                params.append(param)
-        rows = f" FROM unnest({', '.join(arrays)}) AS t({', '.join(names)})" if arrays else ""
-        conflict = " ON CONFLICT (id) DO NOTHING" if tx.retrying else ""
-        insert = (
-            f"INSERT INTO {self.table_prefix}payloads (id, context, args)"
-            f" SELECT {', '.join(values)}{rows}{where}{conflict}"
-        )
-        params = [*singles, *params]
+        picked = [[column[k] for k in big] for column in (ids, contexts, args)]
         split = [*columns[:4], inline_args, columns[5], inline_contexts, *columns[7:], sizes]
-        return split, (insert, params)
+        return split, self._insert_statement(tx, "payloads", picked, where)
 
     # The pool's config, as _POOL_COLUMNS, compared whole: any change sends the
     # enqueue back to read it (one transaction more), never past a stale one.
@@ -909,7 +889,7 @@ class PostgresStore(SqlStore):
             return lambda: True
         where = " WHERE (SELECT same FROM ok)"
         columns, payloads = self._split_payloads(tx, columns, where)
-        insert, params = self._insert_statement(tx, columns, where)
+        insert, params = self._insert_statement(tx, "work", columns, where)
         sql = f"WITH ok AS ({self._SAME_POOL.format(p=self.table_prefix)}), new AS ({insert})"
         params = [*self._pool_params(config), *params]
         if payloads is not None:
@@ -927,12 +907,27 @@ class PostgresStore(SqlStore):
         check = tx.defer(sql + answer, params, rows=True, alone=notify)
         return lambda: bool(check.rows[0][0])
 
+    # The columns that _insert_statement writes, per table, and the values of the
+    # rest (a new work row's state and counts).
+    _INSERTS: ClassVar[dict[str, tuple[tuple[tuple[str, str], ...], str, str]]] = {
+        "work": (
+            _INSERTED,
+            ", state, attempt, cancel_requested, handler_failures, lost_count",
+            ", 'pending', 0, 0, 0, 0",
+        ),
+        "payloads": ((("id", "text"), ("context", "text"), ("args", "text")), "", ""),
+    }
+
     def _insert_statement(
-        self, tx: Tx, columns: list[Sequence[Any]], where: str = ""
+        self, tx: Tx, table: str, columns: Sequence[Sequence[Any]], where: str = ""
     ) -> tuple[str, list[Any]]:
+        """The INSERT into ``table`` (work or payloads) of rows given by column, as
+        _INSERTS lists them, ending in ``where``; and its parameters."""
         # One statement over arrays instead of one per row: a batch of 1,000 is one
         # round trip and one plan. Columns equal in every row (pool, function, times
-        # of a batch) go as one value, not as an array of 1,000 copies.
+        # of a batch, a batch's shared context) go as one value, not as an array of
+        # 1,000 copies (of 800 KB each, for a context that big).
+        inserted, fixed, fixed_values = self._INSERTS[table]
         n = len(columns[0])
         # Per column: None for one value, else the array expression and its parameter.
         # A single row takes no arrays at all: psycopg dumps twelve values instead of
@@ -940,26 +935,25 @@ class PostgresStore(SqlStore):
         # single enqueue: 2.56 -> 2.14 ms, medians of 6 interleaved runs).
         shapes = [
             None if column.count(column[0]) == n else array_param(column, kind)
-            for column, (_, kind) in zip(columns, self._INSERTED, strict=True)
+            for column, (_, kind) in zip(columns, inserted, strict=True)
         ]
         exprs = tuple(None if shape is None else shape[0] for shape in shapes)
-        sql = self._insert_sql.get((tx.retrying, where, exprs))
+        sql = self._insert_sql.get((table, tx.retrying, where, exprs))
         if sql is None:
             # A retry after an ambiguous commit (connection lost) must not fail on the
             # ids the first try may have written; a first try need not pay for the
             # conflict check (speculative insertion: inserts 15-25 % slower).
             conflict = " ON CONFLICT (id) DO NOTHING" if tx.retrying else ""
-            cols = list(zip(self._INSERTED, exprs, strict=True))
+            cols = list(zip(inserted, exprs, strict=True))
             arrays = ", ".join(expr for _, expr in cols if expr is not None)
             names = ", ".join(name for (name, _), expr in cols if expr is not None)
             values = ", ".join(
                 f"%b::{kind}" if expr is None else name for (name, kind), expr in cols
             )
-            inserted = ", ".join(name for name, _ in self._INSERTED)
-            sql = self._insert_sql[tx.retrying, where, exprs] = (
-                f"INSERT INTO {self.table_prefix}work ({inserted}, state, attempt,"
-                " cancel_requested, handler_failures, lost_count) SELECT"
-                f" {values}, 'pending', 0, 0, 0, 0"
+            all_names = ", ".join(name for name, _ in inserted) + fixed
+            sql = self._insert_sql[table, tx.retrying, where, exprs] = (
+                f"INSERT INTO {self.table_prefix}{table} ({all_names})"
+                f" SELECT {values}{fixed_values}"
                 f"{f' FROM unnest({arrays}) AS t({names})' if arrays else ''}{where}{conflict}"
             )
         # The SELECT list's single values come first in the statement, then the arrays.
