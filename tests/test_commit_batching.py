@@ -16,7 +16,7 @@ import time
 import pytest
 
 import workpool
-from conftest import create_table, record_and_claim
+from conftest import create_table, record_and_claim, run_until_idle
 from workpool.core import histogram
 from workpool.core.decide import Succeeded
 from workpool.core.ids import new_work_ids
@@ -359,3 +359,32 @@ def test_a_record_of_a_success_and_a_claim_in_one_transaction_claims_the_slot_it
     assert pool.status(ids[1]).state == "running"
     assert pool.status(ids[2]).state == "pending"
     assert pool.stats().succeeded == 1
+
+
+def test_a_worker_claims_at_most_its_stores_batch_in_a_transaction(app):
+    """A worker with more slots than ``Store.worker_batch`` (512 on SQLite, 1,024 on
+    PostgreSQL) asks for no more than that per pool in one claim, yet fills its
+    slots, and every item runs once."""
+    store = app.store
+    batch = store.worker_batch
+    ran: list[int] = []
+
+    @app.action(name="count")
+    def count(i: int) -> None:
+        ran.append(i)
+
+    pool = app.pool("wide", max_parallelism=10 * batch)
+    total = 2 * batch + 100
+    ids = pool.enqueue_action_batch(count, [{"i": i} for i in range(total)])
+    asked: list[int] = []
+    real = store.claim_many_later
+
+    def claim_many_later(tx, asks, worker_id, now):
+        asked.extend(asks.values())
+        return real(tx, asks, worker_id, now)
+
+    store.claim_many_later = claim_many_later
+    run_until_idle(app, concurrency=3 * batch, pools=["wide"])
+    assert sorted(ran) == list(range(total)), "every item ran exactly once"
+    assert max(asked) == batch, f"claims asked for {sorted(set(asked))[-3:]}"
+    assert all(pool.status(i).state == "finished" for i in ids)

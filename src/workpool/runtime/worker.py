@@ -40,8 +40,6 @@ from workpool.runtime.registry import FnSpec, Registry
 from workpool.store.base import ActiveWork, ClaimedWork, PoolConfig, Store, Tx, Watcher, WorkerInfo
 
 _PAUSED = PoolConfig("", max_parallelism=0)
-CLAIM_BATCH = 512  # attempts claimed per pool per transaction: bounds claim latency
-COMPLETE_BATCH = 512  # action outcomes per transaction: group commit
 IDLE_POLL_S = 1.0  # longest sleep without a wake-up: covers missed notifications
 # Executor threads started with the worker, idle before its first claim: that
 # claim's first attempt starts at once, not after a thread start (on SQLite it began
@@ -371,7 +369,8 @@ class Worker:
             pools = None if self.options.pools is None else served
             found = self.store.claim_rooms(tx, pools, now) if served else {}
             rooms = {p: n + freed.get(p, 0) for p, n in found.items()}
-        asks = _shares({p: min(n, CLAIM_BATCH) for p, n in rooms.items()}, free, next(self._turns))
+        batch = self.store.worker_batch
+        asks = _shares({p: min(n, batch) for p, n in rooms.items()}, free, next(self._turns))
         # Every claim goes with the COMMIT, in the one global lock order (sorted).
         claims = self.store.claim_many_later(tx, asks, self.info.id, now)
         unfilled = sorted(p for p, n in freed.items() if n > asks.get(p, 0))
@@ -765,7 +764,7 @@ class Worker:
         """Record ``batch`` and the outcomes queued behind it, with ``_leader`` held;
         ``keep``: return a sync action the claim took for the caller to run, rather
         than submit it."""
-        while len(batch) < COMPLETE_BATCH:
+        while len(batch) < self.store.worker_batch:
             try:
                 item = self._outcomes.get_nowait()
             except queue.Empty:
