@@ -363,8 +363,8 @@ def test_a_record_of_a_success_and_a_claim_in_one_transaction_claims_the_slot_it
 
 def test_a_worker_claims_at_most_its_stores_batch_in_a_transaction(app):
     """A worker with more slots than ``Store.worker_batch`` (512 on SQLite, 1,024 on
-    PostgreSQL) asks for no more than that per pool in one claim, yet fills its
-    slots, and every item runs once."""
+    PostgreSQL) asks for no more than that per pool in one claim, and for that much
+    while more work waits; every item runs once."""
     store = app.store
     batch = store.worker_batch
     ran: list[int] = []
