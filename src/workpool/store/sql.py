@@ -353,6 +353,26 @@ class SqlStore(SqlReads, Store):
         ]
         return [list(column) for column in zip(*rows, strict=True)] if rows else [[]] * 11
 
+    @staticmethod
+    def _apart(
+        args: Sequence[str], contexts: Sequence[str | None], inline_chars: int
+    ) -> tuple[list[int], Sequence[str | None], Sequence[str | None]]:
+        """Which items' args and context together exceed ``inline_chars`` (they go to
+        payloads), and the args and context columns with theirs NULL (a work row
+        whose args are NULL has both in payloads). No item over it: no copies."""
+        big = [
+            k
+            for k, (text, context) in enumerate(zip(args, contexts, strict=True))
+            if len(text) + len(context or "") > inline_chars
+        ]
+        if not big:
+            return big, args, contexts
+        inline_args: list[str | None] = list(args)
+        inline_contexts = list(contexts)
+        for k in big:
+            inline_args[k] = inline_contexts[k] = None
+        return big, inline_args, inline_contexts
+
     def _executemany(self, tx: Tx, sql: str, rows: list[tuple[Any, ...]]) -> None:
         if len(rows) == 1:  # a single enqueue's rows: execute costs less than executemany
             tx.connection.execute(sql, rows[0])

@@ -852,20 +852,14 @@ class PostgresStore(SqlStore):
         payloads (ending in ``where``) and its parameters, or None."""
         ids, args, on_complete, contexts = columns[0], columns[4], columns[5], columns[6]
         n = len(ids)
-        big = [
-            k
-            for k, (text, context) in enumerate(zip(args, contexts, strict=True))
-            if len(text) + len(context or "") > INLINE_CHARS
-        ]
+        big, inline_args, inline_contexts = self._apart(args, contexts, INLINE_CHARS)
         if not big:
             return [*columns, [None] * n], None
-        inline_args, inline_contexts = list(args), list(contexts)
         sizes: list[int | None] = [None] * n
         for k in big:
             # What a claim reads of them (the context only for a handler), in
             # characters: the claim's byte budget counts them as octet_length would.
             sizes[k] = len(args[k]) + (0 if on_complete[k] is None else len(contexts[k] or ""))
-            inline_args[k] = inline_contexts[k] = None
         picked = [[column[k] for k in big] for column in (ids, contexts, args)]
         split = [*columns[:4], inline_args, columns[5], inline_contexts, *columns[7:], sizes]
         return split, self._insert_statement(tx, "payloads", picked, where)

@@ -494,11 +494,7 @@ class SqliteStore(SqlStore):
         ids, args, contexts = columns[0], columns[4], columns[6]
         if not ids:
             return
-        big = [
-            k
-            for k, (text, context) in enumerate(zip(args, contexts, strict=True))
-            if len(text) + len(context or "") > INLINE_CHARS
-        ]
+        big, inline_args, inline_contexts = self._apart(args, contexts, INLINE_CHARS)
         if big:
             self._executemany(
                 tx,
@@ -508,10 +504,7 @@ class SqliteStore(SqlStore):
                 ),
                 [(ids[k], contexts[k], args[k]) for k in big],
             )
-            inline_args, inline_contexts = list(args), list(contexts)
-            for k in big:
-                inline_args[k] = inline_contexts[k] = None
-            args, contexts = inline_args, inline_contexts
+        args, contexts = inline_args, inline_contexts
         if (
             len(ids) > 1
             and self._has_json(tx)
