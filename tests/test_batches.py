@@ -148,7 +148,9 @@ def test_a_success_of_a_stale_attempt_finishes_nothing_with_or_without_json(sqli
     assert sorted(w.id for w in claimed) == [first, second]
 
     def finish(items):
-        stored = [(w, attempt, success_json(value), "stale", 0.0) for w, attempt, value in items]
+        stored = [
+            (w, attempt, success_json(value), "stale", 0.0, None) for w, attempt, value in items
+        ]
         return store.run(lambda tx: store.finish_succeeded(tx, stored, time.time(), "w"))()
 
     # A wrong attempt number, and an id that is not there: nothing is finished.

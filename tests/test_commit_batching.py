@@ -122,10 +122,10 @@ def test_successes_are_counted_once_in_the_buckets_of_histogram_bucket(app):
     assert sorted(started) == sorted(ids)
 
     now = time.time()
-    # (id, attempt, result, pool, start lag): PostgreSQL counts the lags of the rows
-    # it finishes, SQLite the ones given for them.
-    items = [(w, 1, success_json("null"), "lags", started[w]) for w in sorted(started)]
-    stale = [(ids[0], 2, success_json("null"), "lags", 0.0)]  # a wrong attempt: not counted
+    # (id, attempt, result, pool, start lag, place): PostgreSQL counts the lags of the
+    # rows it finishes, SQLite the ones given for them.
+    items = [(w, 1, success_json("null"), "lags", started[w], None) for w in sorted(started)]
+    stale = [(ids[0], 2, success_json("null"), "lags", 0.0, None)]  # a wrong attempt: not counted
     assert store.run(lambda tx: store.finish_succeeded(tx, stale, now, "w1"))() == []
     done = store.run(lambda tx: store.finish_succeeded(tx, items, now, "w1"))()
     assert sorted(done) == sorted((w, 1) for w in ids)
@@ -158,7 +158,7 @@ def test_one_success_finishes_its_row_only_for_its_current_attempt(app, json_arr
     pool = app.pool("one")
 
     def finish(attempt: int, value: str) -> list[tuple[str, int]]:
-        item = [(wid, attempt, success_json(value), "one", 1.0)]
+        item = [(wid, attempt, success_json(value), "one", 1.0, None)]
         return store.run(lambda tx: store.finish_succeeded(tx, item, now, "w1"))()
 
     def counted() -> tuple[int, int]:
@@ -195,9 +195,9 @@ def test_a_stale_and_a_live_outcome_of_one_item_in_one_batch_count_once(
     now = time.time()
     items = sorted(
         [
-            (wid, 0, success_json('"stale"'), "twice", 1.0),
-            (wid, 1, success_json('"live"'), "twice", 1.0),
-            (other, 1, success_json("null"), "twice", 1.0),
+            (wid, 0, success_json('"stale"'), "twice", 1.0, None),
+            (wid, 1, success_json('"live"'), "twice", 1.0, None),
+            (other, 1, success_json("null"), "twice", 1.0, None),
         ],
         reverse=live_first,
     )
@@ -206,6 +206,42 @@ def test_a_stale_and_a_live_outcome_of_one_item_in_one_batch_count_once(
     counted = store.run(lambda tx: store.read_counters(tx, "twice", minute_of(now)), readonly=True)
     assert (counted.completed, counted.succeeded) == (2, 2)
     assert app.pool("twice").status(wid) == workpool.Finished(workpool.Success("live"))
+
+
+def test_a_success_is_finished_where_its_claim_left_it_or_by_id_once_moved(app):
+    """On PostgreSQL a claim says where it left each row (``ClaimedWork.place``, a
+    ctid), and a success's finish looks there first. A row updated since (here its
+    cancel flag) has moved, and a place may hold another row: both are found by id.
+    SQLite gives no place and finishes by id. Each success finishes once."""
+    store = app.store
+    ids = _pending(app, "placed", 4)
+    claimed = store.run(lambda tx: store.claim(tx, "placed", 4, "w1", time.time()))
+    places = {w.id: w.place for w in claimed}
+    assert sorted(places) == sorted(ids)
+    if isinstance(store, SqliteStore):
+        assert set(places.values()) == {None}
+    else:
+        assert None not in places.values() and len(set(places.values())) == 4
+    _, moved, a, b = ids  # the first keeps its place
+
+    def flag(tx: workpool.Tx) -> bool:
+        work = store.load_for_update(tx, moved)
+        assert work is not None
+        return store.flag_cancel(tx, work)
+
+    assert store.run(flag)
+    # a and b trade places: each place holds the other's row.
+    places[a], places[b] = places[b], places[a]
+    now = time.time()
+    items = [(w, 1, success_json(f'"{w}"'), "placed", 0.0, places[w]) for w in sorted(ids)]
+    done = store.run(lambda tx: store.finish_succeeded(tx, items, now, "w1"))()
+    assert sorted(done) == sorted((w, 1) for w in ids)
+    assert store.run(lambda tx: store.finish_succeeded(tx, items, now, "w1"))() == []
+    pool = app.pool("placed")
+    for w in ids:
+        assert pool.status(w) == workpool.Finished(workpool.Success(w))
+    counted = store.run(lambda tx: store.read_counters(tx, "placed", minute_of(now)), readonly=True)
+    assert (counted.completed, counted.succeeded) == (4, 4)
 
 
 def _no_json(app) -> None:
@@ -230,9 +266,9 @@ def test_a_finish_of_successes_at_once_tells_which_took_inside_the_transaction(
     assert sorted(w.id for w in claimed) == sorted([wid, other])
     now = time.time()
     items = [
-        (wid, 0, success_json('"stale"'), "at_once", 1.0),
-        (wid, 1, success_json('"live"'), "at_once", 1.0),
-        (other, 1, success_json("null"), "at_once", 1.0),
+        (wid, 0, success_json('"stale"'), "at_once", 1.0, None),
+        (wid, 1, success_json('"live"'), "at_once", 1.0, None),
+        (other, 1, success_json("null"), "at_once", 1.0, None),
     ]
     pool = app.pool("at_once")
 

@@ -749,7 +749,7 @@ def test_each_claim_definition_gets_its_own_function_and_both_claim(pg_url: str)
     first = open_store(pg_url)
     first.migrate()
     other = PostgresStore(pg_url, schema=schema or "workpool")
-    other._PAYLOADS = first._PAYLOADS.replace("8192", "8191")  # a later version's SQL
+    other._RETURNED = first._RETURNED.replace("8192", "8191")  # a later version's SQL
     assert other._claim_function[0] != first._claim_function[0]
 
     def functions() -> dict[str, str]:

@@ -282,7 +282,7 @@ class Completion:
         """
         # Sorted: rows are locked in one global order, as everywhere else.
         items = sorted(
-            (w.id, w.attempt, _success_json(o), w.pool, max(w.started_at - w.due_at, 0.0))
+            (w.id, w.attempt, _success_json(o), w.pool, max(w.started_at - w.due_at, 0.0), w.place)
             for w, o, _ in batch
         )
         handled = any(w.on_complete is not None for w, _, _ in batch)

@@ -15,6 +15,8 @@ from workpool.core.retry import DEFAULT_RETRY, RetryBehavior
 
 T = TypeVar("T")
 FnKind = Literal["action", "mutation", "query"]
+# A success to finish: (id, attempt, result JSON, pool, start lag, ClaimedWork.place).
+Succeeded = tuple[str, int, str, str, float, str | None]
 
 
 class Tx:
@@ -309,6 +311,9 @@ class ClaimedWork:
     # reading its row again; the stored context only with a handler.
     on_complete: str | None = None
     context: str | None = None
+    # Where the claim left the row (PostgreSQL: its ctid), for the finish of a
+    # success to find it without an index lookup; None where the store has none.
+    place: str | None = None
 
 
 # Not frozen: a frozen dataclass's __init__ sets each field through
@@ -749,14 +754,14 @@ class Store(abc.ABC):
     def finish_succeeded(
         self,
         tx: Tx,
-        items: Sequence[tuple[str, int, str, str, float]],
+        items: Sequence[Succeeded],
         now: float,
         worker_id: str,
         *,
         at_commit: bool = True,
     ) -> Callable[[], list[tuple[str, int]]]:
-        """running -> finished for (id, attempt, result JSON, pool, start lag) without
-        reading the rows first, each counted as a success with its start lag in
+        """running -> finished for (id, attempt, result JSON, pool, start lag, place)
+        without reading the rows first, each counted as a success with its start lag in
         ``worker_id``'s counters of the minute. The result gives the (id, attempt)
         pairs that were still running that attempt (the others are stale, and not
         counted). ``at_commit`` (the default): the statements wait for the COMMIT

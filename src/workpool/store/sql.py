@@ -429,6 +429,7 @@ class SqlStore(SqlReads, Store):
             started_at=now,
             on_complete=r[6],
             context=r[7],
+            place=r[9] if len(r) > 9 else None,
         )
 
     def _claim_rows(

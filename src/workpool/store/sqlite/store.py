@@ -20,6 +20,7 @@ from workpool.store.base import (
     Finishing,
     NewWork,
     PoolConfig,
+    Succeeded,
     Tx,
     Upkeep,
     Watcher,
@@ -700,7 +701,7 @@ class SqliteStore(SqlStore):
     def finish_succeeded(
         self,
         tx: Tx,
-        items: Sequence[tuple[str, int, str, str, float]],
+        items: Sequence[Succeeded],
         now: float,
         worker_id: str,
         *,
@@ -764,7 +765,7 @@ class SqliteStore(SqlStore):
     def _finish_succeeded_by_row(
         self,
         tx: Tx,
-        items: Sequence[tuple[str, int, str, str, float]],
+        items: Sequence[Succeeded],
         now: float,
         worker_id: str,
         at_commit: bool,
@@ -856,7 +857,7 @@ class _Step(Deferred):
 
 
 def _successes(
-    items: Sequence[tuple[str, int, str, str, float]], worker_id: str, now: float
+    items: Sequence[Succeeded], worker_id: str, now: float
 ) -> tuple[str, list[tuple[str, tuple[Any, ...]]]]:
     """The ids of finished successes as a JSON array, and the counters statements
     that add them (one per pool), from (id, attempt, result, pool, start lag)."""
