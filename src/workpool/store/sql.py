@@ -416,7 +416,8 @@ class SqlStore(SqlReads, Store):
 
     @staticmethod
     def _claimed_work(pool: str, now: float, r: Sequence[Any]) -> ClaimedWork:
-        """A claimed row (``_claim_rows``'s columns) as the attempt it starts."""
+        """A claimed row (``_claim_rows``'s columns) as the attempt it starts; a tenth
+        column, where a store returns one, is the row's place."""
         return ClaimedWork(
             id=r[0],
             pool=pool,
@@ -444,9 +445,9 @@ class SqlStore(SqlReads, Store):
     ) -> Callable[[], list[Any]]:
         """Claim up to ``limit`` due rows of ``pool`` within its ``max_parallelism``; a
         function that reads them, as (id, kind, fn_name, attempt, timeout, due_at,
-        on_complete, context, args): ``_CLAIM``'s columns, with any payload the claim
-        left out filled in (``_with_payloads``). ``at_commit``: the store may claim
-        with the COMMIT (``claim_later``)."""
+        on_complete, context, args), and PostgreSQL's place: ``_CLAIM``'s columns,
+        with any payload the claim left out filled in (``_with_payloads``).
+        ``at_commit``: the store may claim with the COMMIT (``claim_later``)."""
         raise NotImplementedError
 
     @staticmethod
