@@ -418,19 +418,22 @@ class SqlStore(SqlReads, Store):
     def _claimed_work(pool: str, now: float, r: Sequence[Any]) -> ClaimedWork:
         """A claimed row (``_claim_rows``'s columns) as the attempt it starts; a tenth
         column, where a store returns one, is the row's place."""
+        # By position, in ClaimedWork's order (id, pool, kind, fn_name, args, attempt,
+        # timeout, due_at, started_at, on_complete, context, place): one per claimed
+        # row, and keywords cost 1.06 against 0.56 us a row.
         return ClaimedWork(
-            id=r[0],
-            pool=pool,
-            kind=r[1],
-            fn_name=r[2],
-            args=r[8],
-            attempt=int(r[3]),
-            timeout=None if r[4] is None else float(r[4]),
-            due_at=float(r[5]),
-            started_at=now,
-            on_complete=r[6],
-            context=r[7],
-            place=r[9] if len(r) > 9 else None,
+            r[0],
+            pool,
+            r[1],
+            r[2],
+            r[8],
+            int(r[3]),
+            None if r[4] is None else float(r[4]),
+            float(r[5]),
+            now,
+            r[6],
+            r[7],
+            r[9] if len(r) > 9 else None,
         )
 
     def _claim_rows(
