@@ -381,7 +381,8 @@ class SqlStore(SqlReads, Store):
 
     # The claim: the next due pending rows of one pool, up to a limit, become running.
     # Each store says where (the first %s) and how the context and args come back
-    # (the second: with a handler only, and the args, in that order).
+    # (the second: with a handler only, and the args, in that order), then the
+    # row's place (ClaimedWork.place), NULL where the store has none.
     _CLAIM = (
         "UPDATE {s}work SET state = 'running', attempt = attempt + 1, worker_id = ?,"
         " started_at = ? WHERE %s"
@@ -416,8 +417,7 @@ class SqlStore(SqlReads, Store):
 
     @staticmethod
     def _claimed_work(pool: str, now: float, r: Sequence[Any]) -> ClaimedWork:
-        """A claimed row (``_claim_rows``'s columns) as the attempt it starts; a tenth
-        column, where a store returns one, is the row's place."""
+        """A claimed row (``_claim_rows``'s columns) as the attempt it starts."""
         # By position, in ClaimedWork's order (id, pool, kind, fn_name, args, attempt,
         # timeout, due_at, started_at, on_complete, context, place): one per claimed
         # row, and keywords cost 1.06 against 0.56 us a row.
@@ -433,7 +433,7 @@ class SqlStore(SqlReads, Store):
             now,
             r[6],
             r[7],
-            r[9] if len(r) > 9 else None,
+            r[9],
         )
 
     def _claim_rows(
@@ -448,8 +448,8 @@ class SqlStore(SqlReads, Store):
     ) -> Callable[[], list[Any]]:
         """Claim up to ``limit`` due rows of ``pool`` within its ``max_parallelism``; a
         function that reads them, as (id, kind, fn_name, attempt, timeout, due_at,
-        on_complete, context, args), and PostgreSQL's place: ``_CLAIM``'s columns,
-        with any payload the claim left out filled in (``_with_payloads``).
+        on_complete, context, args, place): ``_CLAIM``'s columns, with any payload
+        the claim left out filled in (``_with_payloads``).
         ``at_commit``: the store may claim with the COMMIT (``claim_later``)."""
         raise NotImplementedError
 

@@ -557,7 +557,8 @@ class SqliteStore(SqlStore):
         " AND due_at <= ? ORDER BY due_at, id LIMIT max(min(?, coalesce((SELECT"
         " max_parallelism FROM {s}pools WHERE name = ?), 0) - (SELECT count(*) FROM"
         " {s}work WHERE pool = ? AND state = 'running')), 0))",
-        "CASE WHEN on_complete IS NOT NULL THEN context END, args",
+        # No place: a delete must find the row's entry in every index anyway.
+        "CASE WHEN on_complete IS NOT NULL THEN context END, args, NULL",
     )
 
     def _claim_rows(
@@ -860,7 +861,7 @@ def _successes(
     items: Sequence[Succeeded], worker_id: str, now: float
 ) -> tuple[str, list[tuple[str, tuple[Any, ...]]]]:
     """The ids of finished successes as a JSON array, and the counters statements
-    that add them (one per pool), from (id, attempt, result, pool, start lag)."""
+    that add them (one per pool), from (id, attempt, result, pool, start lag, place)."""
     lags: dict[str, list[float]] = {}
     for item in items:
         lags.setdefault(item[3], []).append(item[4])
