@@ -209,19 +209,17 @@ def test_a_stale_and_a_live_outcome_of_one_item_in_one_batch_count_once(
 
 
 def test_a_success_is_finished_where_its_claim_left_it_or_by_id_once_moved(app):
-    """On PostgreSQL a claim says where it left each row (``ClaimedWork.place``, a
-    ctid), and a success's finish looks there first. A row updated since (here its
-    cancel flag) has moved, and a place may hold another row: both are found by id.
-    SQLite gives no place and finishes by id. Each success finishes once."""
+    """A claim says where it left each row (``ClaimedWork.place``: PostgreSQL's
+    ctid, SQLite's rowid), and a success's finish looks there first. On PostgreSQL
+    a row updated since (here its cancel flag) has moved; SQLite's rows stay, but a
+    VACUUM may renumber them; and a place may hold another row: all are found by
+    id. Each success finishes once."""
     store = app.store
     ids = _pending(app, "placed", 4)
     claimed = store.run(lambda tx: store.claim(tx, "placed", 4, "w1", time.time()))
     places = {w.id: w.place for w in claimed}
     assert sorted(places) == sorted(ids)
-    if isinstance(store, SqliteStore):
-        assert set(places.values()) == {None}
-    else:
-        assert None not in places.values() and len(set(places.values())) == 4
+    assert None not in places.values() and len(set(places.values())) == 4
     _, moved, a, b = ids  # the first keeps its place
 
     def flag(tx: workpool.Tx) -> bool:
@@ -242,6 +240,30 @@ def test_a_success_is_finished_where_its_claim_left_it_or_by_id_once_moved(app):
         assert pool.status(w) == workpool.Finished(workpool.Success(w))
     counted = store.run(lambda tx: store.read_counters(tx, "placed", minute_of(now)), readonly=True)
     assert (counted.completed, counted.succeeded) == (4, 4)
+
+
+def test_a_batch_of_successes_all_at_their_places_finishes_each_once(app):
+    """The usual batch: every row where its claim left it. Each is finished with
+    its own result and leaves ``work``; a stale attempt beside them takes nothing."""
+    store = app.store
+    ids = _pending(app, "in_place", 3)
+    claimed = store.run(lambda tx: store.claim(tx, "in_place", 3, "w1", time.time()))
+    now = time.time()
+    items = [
+        (w.id, w.attempt, success_json(f'"{w.id}"'), "in_place", 0.0, w.place) for w in claimed
+    ]
+    done = store.run(lambda tx: store.finish_succeeded(tx, items, now, "w1"))()
+    assert sorted(done) == sorted((w, 1) for w in ids)
+    stale = [(ids[0], 1, success_json('"again"'), "in_place", 0.0, items[0][5])]
+    assert store.run(lambda tx: store.finish_succeeded(tx, stale + items[1:], now, "w1"))() == []
+    pool = app.pool("in_place")
+    for w in ids:
+        assert pool.status(w) == workpool.Finished(workpool.Success(w))
+    assert store.run(lambda tx: store.active_count(tx, ["in_place"]), readonly=True) == 0
+    counted = store.run(
+        lambda tx: store.read_counters(tx, "in_place", minute_of(now)), readonly=True
+    )
+    assert (counted.completed, counted.succeeded) == (3, 3)
 
 
 def _no_json(app) -> None:

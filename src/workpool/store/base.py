@@ -16,7 +16,7 @@ from workpool.core.retry import DEFAULT_RETRY, RetryBehavior
 T = TypeVar("T")
 FnKind = Literal["action", "mutation", "query"]
 # A success to finish: (id, attempt, result JSON, pool, start lag, ClaimedWork.place).
-Succeeded = tuple[str, int, str, str, float, str | None]
+Succeeded = tuple[str, int, str, str, float, str | int | None]
 
 
 class Tx:
@@ -311,9 +311,10 @@ class ClaimedWork:
     # reading its row again; the stored context only with a handler.
     on_complete: str | None = None
     context: str | None = None
-    # Where the claim left the row (PostgreSQL: its ctid), for the finish of a
-    # success to find it without an index lookup; None where the store has none.
-    place: str | None = None
+    # Where the claim left the row (PostgreSQL: its ctid as text; SQLite: its
+    # rowid), for the finish of a success to find it without an index lookup; None
+    # where the store has none.
+    place: str | int | None = None
 
 
 # Not frozen: a frozen dataclass's __init__ sets each field through

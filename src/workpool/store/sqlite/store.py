@@ -552,13 +552,14 @@ class SqliteStore(SqlStore):
     # and the worker fails such work as corrupt): read apart, as a subquery in the
     # RETURNING copied each into SQLite's buffer of returned rows (a claim of 50 of
     # 800 KB: 30-42 -> 100-126 ms).
+    # The rows are picked by rowid, which work_due's entries carry, and updated by it:
+    # by id each would first descend the id's index. Their rowid is their place.
     _SQLITE_CLAIM = SqlStore._CLAIM % (
-        "id IN (SELECT id FROM {s}work WHERE pool = ? AND state = 'pending'"
+        "rowid IN (SELECT rowid FROM {s}work WHERE pool = ? AND state = 'pending'"
         " AND due_at <= ? ORDER BY due_at, id LIMIT max(min(?, coalesce((SELECT"
         " max_parallelism FROM {s}pools WHERE name = ?), 0) - (SELECT count(*) FROM"
         " {s}work WHERE pool = ? AND state = 'running')), 0))",
-        # No place: a delete must find the row's entry in every index anyway.
-        "CASE WHEN on_complete IS NOT NULL THEN context END, args, NULL",
+        "CASE WHEN on_complete IS NOT NULL THEN context END, args, rowid",
     )
 
     def _claim_rows(
@@ -693,6 +694,17 @@ class SqliteStore(SqlStore):
         " WHERE w.state = 'running' AND w.attempt = json_extract(j.value, '$[1]')"
         " RETURNING id, attempts"
     )
+    # The same where each claim left its row (its rowid, ClaimedWork.place), the id
+    # compared there too: one b-tree descent a row instead of two (the id's index,
+    # then the table), and the DELETE after it goes by rowid as well. With the claim
+    # by rowid, two worker processes draining held the write lock 13.0 -> 11.9 us a
+    # job, and drained 71k -> 76k jobs/s (four alternated pairs).
+    _FINISH_PLACED = _FINISH_MANY.replace(
+        "ON w.id = json_extract(j.value, '$[0]')",
+        "ON w.rowid = json_extract(j.value, '$[3]') AND w.id = json_extract(j.value, '$[0]')",
+    )
+    # Rows that the finish just took at their places, in the same transaction.
+    _DELETE_AT = "DELETE FROM {s}work WHERE rowid IN (SELECT value FROM json_each(?))"
     _FINISH_ONE = (
         _FINISHED_COLUMNS + " SELECT id, pool, fn_name, kind, args, on_complete, 'success', ?,"
         " attempt, enqueued_at, ?, last_error FROM {s}work WHERE id = ? AND state = 'running'"
@@ -723,6 +735,11 @@ class SqliteStore(SqlStore):
         taken: list[tuple[str, int]] = []
         planned = _successes(batch, worker_id, now)
         single = len(batch) == 1
+        # Where every claim said where it left its row: looked for there first.
+        placed = not single and all(item[5] is not None for item in batch)
+        places = json.dumps([item[5] for item in batch]) if placed else ""
+        by_id = self._sql(self._FINISH_MANY)
+        delete = self._sql("DELETE FROM {s}work WHERE id IN (SELECT value FROM json_each(?))")
         if single:
             # One attempt (a pool at its limit hands its slots over one at a time):
             # by its id, without JSON, 74 -> 45 us a transaction in a loop.
@@ -730,14 +747,25 @@ class SqliteStore(SqlStore):
             sql = self._sql(self._FINISH_ONE)
             params: tuple[Any, ...] = (result, now, work_id, attempt)
             delete = self._sql("DELETE FROM {s}work WHERE id = ?")
+        elif placed:
+            sql = self._sql(self._FINISH_PLACED)
+            params = (now, json.dumps([(*item[:3], item[5]) for item in batch]))
         else:
-            sql = self._sql(self._FINISH_MANY)
-            params = (now, json.dumps([item[:3] for item in batch]))
-            delete = self._sql("DELETE FROM {s}work WHERE id IN (SELECT value FROM json_each(?))")
+            sql, params = by_id, (now, json.dumps([item[:3] for item in batch]))
 
         def settle(conn: sqlite3.Connection) -> None:
             taken.extend((row[0], row[1]) for row in conn.execute(sql, params).fetchall())
             ids, counters = planned
+            at_places = placed and len(taken) == len(batch)
+            if placed and not at_places:
+                # A row not at its place moved (a VACUUM renumbers rowids), or its
+                # attempt is stale: the rest are looked for by id, as without places.
+                found = {work_id for work_id, _ in taken}
+                rest = [item[:3] for item in batch if item[0] not in found]
+                taken.extend(
+                    (row[0], row[1])
+                    for row in conn.execute(by_id, (now, json.dumps(rest))).fetchall()
+                )
             if len(taken) < len(batch):  # stale ones among them: count and delete the rest
                 if not taken:
                     return
@@ -747,7 +775,10 @@ class SqliteStore(SqlStore):
                 )
             for counter_sql, counter_params in counters:
                 conn.execute(self._sql(counter_sql), counter_params)
-            conn.execute(delete, (batch[0][0] if single else ids,))
+            if at_places:
+                conn.execute(self._sql(self._DELETE_AT), (places,))
+            else:
+                conn.execute(delete, (batch[0][0] if single else ids,))
 
         self._at_commit(tx, settle, at_commit)
         return lambda: taken
