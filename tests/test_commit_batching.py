@@ -60,9 +60,10 @@ def test_a_claim_for_the_commit_exists_only_once_committed(app):
 
 
 def test_a_claims_answer_reads_only_the_payloads_it_left_out(app, monkeypatch):
-    """Small args come with the claim's rows: reading its answer after the COMMIT
-    opens no transaction. Args kept apart (over SQLite's 512 characters, over
-    PostgreSQL's 8 KB) are read then, in one transaction, and come back whole."""
+    """Small args come with the claim's rows (SQLite reads those in one statement
+    after the COMMIT): reading its answer opens no transaction. Args kept apart
+    (over SQLite's 512 characters, over PostgreSQL's 8 KB) are read then, in one
+    transaction, and come back whole."""
     store = app.store
 
     @app.action(name="noop")
@@ -93,6 +94,39 @@ def test_a_claims_answer_reads_only_the_payloads_it_left_out(app, monkeypatch):
     assert [w.id for w in claimed] == [big]
     assert json.loads(claimed[0].args) == big_args
     assert opened == [True], "one read transaction for the payload left out"
+
+
+def test_a_claims_answer_holds_the_rows_it_started_and_no_other(app):
+    """SQLite reads a claim's rows after its COMMIT, by rowid, as the ones that
+    claim started (its worker, its start time). A row whose rowid changed since (a
+    VACUUM may renumber them) is not mistaken for another, and one that changed
+    hands (rescued, then claimed by another worker) is left out: its new claim runs
+    it. (PostgreSQL's claim returns its rows itself.)"""
+    store = app.store
+    if not isinstance(store, SqliteStore):
+        pytest.skip("PostgreSQL's claim returns its own rows")
+    ids = _pending(app, "answered", 4)
+    started = time.time()
+    answer = store.run(lambda tx: store.claim_later(tx, "answered", 4, "w1", started))
+    first, second, third, fourth = ids
+    with app.transaction() as tx:
+        # The first two trade rowids; the third moves past every other.
+        rowid = {
+            i: tx.execute("SELECT rowid FROM work WHERE id = ?", [i]).fetchone()[0] for i in ids
+        }
+        tx.execute("UPDATE work SET rowid = -1 WHERE id = ?", [first])
+        tx.execute("UPDATE work SET rowid = ? WHERE id = ?", [rowid[first], second])
+        tx.execute("UPDATE work SET rowid = ? WHERE id = ?", [rowid[second], first])
+        tx.execute("UPDATE work SET rowid = 1000000 WHERE id = ?", [third])
+        tx.execute("UPDATE work SET state = 'pending', worker_id = NULL WHERE id = ?", [fourth])
+    again = store.run(lambda tx: store.claim(tx, "answered", 1, "w2", started + 1))
+    assert [(w.id, w.attempt) for w in again] == [(fourth, 2)]
+    claimed = answer()
+    assert sorted((w.id, w.attempt, w.started_at) for w in claimed) == sorted(
+        (i, 1, started) for i in (first, second)
+    )
+    assert {w.id: w.place for w in claimed} == {first: rowid[second], second: rowid[first]}
+    assert answer() == claimed
 
 
 def test_rows_of_a_deferred_statement_are_read_after_the_commit(app):
