@@ -382,7 +382,7 @@ class SqlStore(SqlReads, Store):
     # The claim: the next due pending rows of one pool, up to a limit, become running.
     # Each store says where (the first %s) and how the context and args come back
     # (the second: with a handler only, and the args, in that order), then the
-    # row's place (ClaimedWork.place), NULL where the store has none.
+    # row's place (ClaimedWork.place: PostgreSQL's ctid, SQLite's rowid).
     _CLAIM = (
         "UPDATE {s}work SET state = 'running', attempt = attempt + 1, worker_id = ?,"
         " started_at = ? WHERE %s"
