@@ -552,32 +552,29 @@ class SqliteStore(SqlStore):
     # and the worker fails such work as corrupt): read apart, as a subquery in the
     # RETURNING copied each into SQLite's buffer of returned rows (a claim of 50 of
     # 800 KB: 30-42 -> 100-126 ms).
-    # The rows are picked by rowid, which work_due's entries carry, and updated by it:
-    # by id each would first descend the id's index. Their rowid is their place.
-    _SQLITE_CLAIM = SqlStore._CLAIM % (
-        "rowid IN (SELECT rowid FROM {s}work WHERE pool = ? AND state = 'pending'"
+    # The due pending rows a claim takes, within the pool's limit: picked by rowid,
+    # which work_due's entries carry, and updated by it (by id each would first
+    # descend the id's index). Their rowid is their place.
+    _PICK_ROWIDS = (
+        "SELECT rowid FROM {s}work WHERE pool = ? AND state = 'pending'"
         " AND due_at <= ? ORDER BY due_at, id LIMIT max(min(?, coalesce((SELECT"
         " max_parallelism FROM {s}pools WHERE name = ?), 0) - (SELECT count(*) FROM"
-        " {s}work WHERE pool = ? AND state = 'running')), 0))",
-        "CASE WHEN on_complete IS NOT NULL THEN context END, args, rowid",
+        " {s}work WHERE pool = ? AND state = 'running')), 0)"
     )
+    _PAYLOADS_AND_PLACE = "CASE WHEN on_complete IS NOT NULL THEN context END, args, rowid"
+    _SQLITE_CLAIM = SqlStore._CLAIM % (f"rowid IN ({_PICK_ROWIDS})", _PAYLOADS_AND_PLACE)
 
-    # The claim that waits for the COMMIT (_claim_rows), in three statements.
-    _PICK = (
-        "SELECT json_group_array(rowid) FROM (SELECT rowid FROM {s}work WHERE pool = ?"
-        " AND state = 'pending' AND due_at <= ? ORDER BY due_at, id LIMIT max(min(?,"
-        " coalesce((SELECT max_parallelism FROM {s}pools WHERE name = ?), 0) - (SELECT"
-        " count(*) FROM {s}work WHERE pool = ? AND state = 'running')), 0))"
-    )
-    _CLAIM_AT = (
-        "UPDATE {s}work SET state = 'running', attempt = attempt + 1, worker_id = ?,"
-        " started_at = ? WHERE rowid IN (SELECT value FROM json_each(?))"
+    # The claim that waits for the COMMIT (_claim_rows), in three statements: the
+    # pick as one JSON array, the UPDATE by it, and after the COMMIT the rows.
+    _PICK = f"SELECT json_group_array(rowid) FROM ({_PICK_ROWIDS})"
+    _CLAIM_AT = SqlStore._CLAIM.split(" RETURNING")[0] % (
+        "rowid IN (SELECT value FROM json_each(?))"
     )
     _CLAIMED = (
-        "SELECT id, kind, fn_name, attempt, timeout, due_at, on_complete, CASE WHEN"
-        " on_complete IS NOT NULL THEN context END, args, rowid FROM {s}work WHERE"
-        " rowid IN (SELECT value FROM json_each(?)) AND state = 'running'"
-        " AND worker_id = ? AND started_at = ?"
+        "SELECT "
+        + SqlStore._CLAIM.split(" RETURNING ")[1] % _PAYLOADS_AND_PLACE
+        + " FROM {s}work WHERE rowid IN (SELECT value FROM json_each(?))"
+        " AND state = 'running' AND worker_id = ? AND started_at = ?"
     )
 
     def _claim_rows(
