@@ -21,6 +21,7 @@ import pytest
 
 import workpool
 from conftest import holds_for, wait_for
+from workpool.core.results import success_json
 from workpool.store.base import WouldWait
 
 pytestmark = pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
@@ -70,6 +71,32 @@ def _writing(app: Any) -> Iterator[None]:
     finally:
         release.set()
         holder.join(10)
+
+
+def test_a_record_that_refills_its_slot_queues_only_at_its_commit(app: Any) -> None:
+    """A worker's record (a success finished, a slot refilled) builds its statements
+    before the lock: another process may write meanwhile. Its claim's rows are read
+    after the COMMIT; asking for its connection then must not BEGIN early."""
+    store = _with_job(app).store
+    pool = app.pool("q", max_parallelism=1)
+    first, second = pool.enqueue_action_batch("job", [{"i": 0}, {"i": 1}])
+    claimed = store.run(lambda tx: store.claim_later(tx, "q", 1, "w1", time.time()))()
+    assert [w.id for w in claimed] == [first]
+    queued: list[bool] = []
+
+    def record(tx: Any) -> Any:
+        now = time.time()
+        success = (first, 1, success_json("null"), "q", 0.0, None)
+        done = store.finish_succeeded(tx, [success], now, "w1")
+        refill = store.claim_later(tx, "q", 1, "w1", now)
+        queued.append(_queue_taken(store.path))
+        return lambda: (done(), refill())
+
+    done, refill = store.run(record)()
+    assert queued == [False], "the record took the write lock before its COMMIT"
+    assert done == [(first, 1)]
+    assert [w.id for w in refill] == [second]
+    assert [pool.status(i).state for i in (first, second)] == ["finished", "running"]
 
 
 @pytest.fixture

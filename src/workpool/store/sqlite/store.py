@@ -610,7 +610,7 @@ class SqliteStore(SqlStore):
         # found is left to the worker's adoption of orphans, as after a commit whose
         # answer was lost.
         picked: list[str] = []
-        reader = tx.connection
+        reader = tx.raw  # not .connection: that would BEGIN, taking the write lock now
 
         def claim(conn: sqlite3.Connection) -> None:
             rowids = conn.execute(self._sql(self._PICK), params[2:]).fetchone()[0]
