@@ -9,12 +9,16 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import Counter
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
 import workpool
 from conftest import (
     Recorder,
+    _app_url,
     assert_pool_empty,
     background_worker,
     finished,
@@ -22,6 +26,8 @@ from conftest import (
     run_until_idle,
     wait_for,
 )
+from workpool.runtime.worker import Worker, WorkerOptions, _InFlight
+from workpool.store.base import ClaimedWork, PoolConfig, WorkerInfo
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -473,3 +479,121 @@ def test_a_worker_at_its_limit_hands_slots_over_without_waking_its_dispatcher(
         wait_for(lambda: all(finished(pool, wid) for wid in ids), timeout=30)
     assert sorted(rec.values("i")) == list(range(40))
     assert passes[0] < 20, f"{passes[0]} dispatcher passes for 40 hand-overs"
+
+
+def _labelled_app(url: str, label: str, rec: Recorder, seconds: float) -> Any:
+    """An App whose action ``step`` notes which App's worker ran it."""
+    labelled = workpool.App(url)
+
+    @labelled.action(name="step")
+    def step(i: int) -> None:
+        with rec.lock:  # Recorder.enter, and how many ran at this start
+            rec.active += 1
+            rec.max_active = max(rec.max_active, rec.active)
+            rec.calls.append({"i": i, "worker": label, "active": rec.active})
+        time.sleep(seconds)
+        rec.leave()
+
+    return labelled
+
+
+def _drained(pool: Any) -> bool:
+    stats = pool.stats()
+    return (stats.running, stats.backlog, stats.scheduled) == (0, 0, 0)
+
+
+def test_workers_that_serve_a_pool_share_its_limit(store_url, rec: Recorder):
+    """Two workers of 4 slots each, a pool of limit 4: each runs about half of the
+    work (without shares the first to claim kept every slot, its records refilling
+    the slots they freed, and the other ran next to nothing), and together they
+    never exceed the limit."""
+    first = _labelled_app(store_url, "first", rec, 0.05)
+    second = _labelled_app(store_url, "second", rec, 0.05)
+    try:
+        pool = first.pool("shared", max_parallelism=4)
+        pool.stats()  # the store made and the pool's config written before the workers
+        with (
+            background_worker(first, concurrency=4, lease=1.5),
+            background_worker(second, concurrency=4, lease=1.5),
+        ):
+            store = first.store
+            wait_for(lambda: len(store.run(lambda tx: store.live_workers(tx, time.time()))) == 2)
+            time.sleep(1.0)  # both have read the live workers since (every 0.5 s)
+            pool.enqueue_action_batch("step", [{"i": i} for i in range(48)])
+            wait_for(lambda: _drained(pool), timeout=60)
+    finally:
+        first.close()
+        second.close()
+    assert rec.max_active <= 4
+    ran = Counter(call["worker"] for call in rec.calls)
+    assert sum(ran.values()) == 48
+    assert min(ran["first"], ran["second"]) >= 12, ran
+
+
+def test_a_share_left_to_a_worker_that_takes_nothing_is_taken_back(app, rec: Recorder):
+    """A live worker row that serves the pool and never claims (a worker busy
+    elsewhere, or gone and not yet expired): the one running worker still reaches
+    the limit and drains the pool, taking back the slots it left to the other."""
+    runner = _labelled_app(_app_url(app), "runner", rec, 0.03)
+    try:
+        pool = runner.pool("shared", max_parallelism=4)
+        pool.stats()  # the store made
+        ghost = WorkerInfo(id="ghost", host="elsewhere", pid=1, pools=[])
+        now = time.time()
+        runner.store.run(lambda tx: runner.store.heartbeat(tx, ghost, now, now + 600))
+        pool.enqueue_action_batch("step", [{"i": i} for i in range(40)])
+        run_until_idle(runner, concurrency=4)
+        assert _drained(pool)
+    finally:
+        runner.close()
+    assert rec.max_active == 4
+    assert len(rec.calls) == 40
+    # Its records left the ghost's share (2 of the 4 slots) free; past the grace
+    # it took them back: the last jobs, too, started beside 3 others.
+    assert max(call["active"] for call in rec.calls[-12:]) == 4, rec.calls
+
+
+class _Config:
+    def __init__(self, limit: int) -> None:
+        self.max_parallelism = limit
+
+
+def _worker_with(app: Any, concurrency: int, running: int, limit: int, peers: int) -> Worker:
+    worker = Worker(app.store, app.registry, WorkerOptions(concurrency=concurrency))
+    worker.configs = {"p": cast(PoolConfig, _Config(limit))}
+    worker.peers_seen([[]] * (peers - 1) + [["p"]])
+    for i in range(running):
+        work = cast(ClaimedWork, SimpleNamespace(id=f"w{i}", attempt=1, pool="p"))
+        worker._inflight[(work.id, 1)] = _InFlight(work, None)
+    return worker
+
+
+def test_a_records_refill_is_capped_at_the_workers_share(app):
+    """The share is the limit over the live workers serving the pool, rounded up;
+    a record refills up to it, and only slots it frees beyond it wait for the
+    grace (they are the others'). One worker, a share as big as the worker's slots,
+    or a pool whose share was lifted is not capped."""
+    # Limit 5 over 2 workers: a share of 3. Running 3 after the finish: none left.
+    worker = _worker_with(app, concurrency=5, running=3, limit=5, peers=2)
+    assert worker._share_left("p", time.monotonic()) == 0
+    rooms = {"p": 2}
+    worker._hold_back(rooms, {"p": 2})
+    assert rooms == {"p": 0}
+    assert worker._held == {"p"} and worker._grace_at is not None
+
+    # Running 1: 2 more fit; a record that freed 1 refills it and is not held back.
+    worker = _worker_with(app, concurrency=5, running=1, limit=5, peers=2)
+    rooms = {"p": 4}
+    worker._hold_back(rooms, {"p": 1})
+    assert rooms == {"p": 2}
+    assert worker._held == set() and worker._grace_at is None
+
+    assert _worker_with(app, 5, 3, 5, peers=1)._share_left("p", time.monotonic()) is None
+    assert _worker_with(app, 2, 3, 5, peers=2)._share_left("p", time.monotonic()) is None
+    lifted = _worker_with(app, 5, 3, 5, peers=2)
+    lifted._unshared["p"] = time.monotonic() + 60
+    assert lifted._share_left("p", time.monotonic()) is None
+    # Workers serving other pools only do not count.
+    other = _worker_with(app, 5, 3, 5, peers=1)
+    other.peers_seen([["p"], ["q"], ["q", "r"]])
+    assert other._share_left("p", time.monotonic()) is None

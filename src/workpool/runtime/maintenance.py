@@ -54,6 +54,10 @@ ANALYZE_EVERY_S = 5.0
 # How often a worker copies the write-ahead log into the database (SQLite), so
 # that no claim's commit has to: see WAL_BACKSTOP_PAGES.
 CHECKPOINT_EVERY_S = 0.25
+# How often a worker reads which live workers serve which pools (one small read),
+# besides at its heartbeats: the shares of pools' limits (Worker._share_left) follow
+# workers that start or stop within this.
+PEERS_EVERY_S = 0.5
 
 
 class Maintenance:
@@ -75,6 +79,7 @@ class Maintenance:
             "tidy": worker.clock() + TIDY_EVERY_S,
             "upkeep": 0.0,
             "checkpoint": 0.0,
+            "peers": worker.clock() + PEERS_EVERY_S,  # the start's heartbeat read them
         }
         self._report_from = worker.clock() + REPORT_FIRST_S
 
@@ -110,6 +115,12 @@ class Maintenance:
             self.heartbeat(now)
         if self._due("checkpoint", now, CHECKPOINT_EVERY_S):
             self.store.checkpoint()
+        if self._due("peers", now, PEERS_EVERY_S):
+            self.worker.peers_seen(
+                self.store.run(
+                    lambda tx: self.store.live_workers(tx, now), readonly=True, snapshot=False
+                )
+            )
         pools = [p for p in self.worker.served() if p in self.worker.configs]
         if not pools:
             return
@@ -162,10 +173,13 @@ class Maintenance:
 
     def heartbeat(self, now: float) -> None:
         worker = self.worker
+
+        def beat(tx: Tx) -> list[list[str]]:
+            self.store.heartbeat(tx, worker.info, now, now + worker.options.lease)
+            return self.store.live_workers(tx, now)
+
         try:
-            self.store.run(
-                lambda tx: self.store.heartbeat(tx, worker.info, now, now + worker.options.lease)
-            )
+            worker.peers_seen(self.store.run(beat))
         except Exception:
             self._connected_since = None
             self._next["heartbeat"] = now + 0.5  # renew as soon as the store is back

@@ -56,6 +56,12 @@ SHORT_POLL_S = 0.05
 # Up to this many characters of a claim's args are decoded in one parse (see
 # _decoded_args); a claim of more decodes each attempt's args apart.
 JOINED_ARGS_MAX = 100_000
+# A pool's slots are shared among the live workers that serve it (``_share_left``):
+# a worker past its share leaves a slot it frees to the others for this long, then
+# takes it itself if none did; and once it had to, it keeps what it takes for
+# SHARE_OFF_S (the others are busy elsewhere, or dead and not yet expired).
+SHARE_GRACE_S = 0.05
+SHARE_OFF_S = 5.0
 
 
 _Task = tuple[FnSpec, ClaimedWork, dict[str, Any]]  # a function to call, its attempt and args
@@ -119,6 +125,13 @@ class Worker:
         self._recheck = False  # it is woken only to look, not to claim
         self._watcher: Watcher | None = None  # the watch loop's, for stop() to interrupt
         self._turns = itertools.count()  # which pool a claim's shares start from
+        # The pools each live worker serves (read by the maintenance loop) and, per
+        # pool, how many of them serve it, this one included.
+        self._peer_pools: list[list[str]] = []
+        self._peers: dict[str, int] = {}
+        self._grace_at: float | None = None  # when the dispatcher takes held-back slots
+        self._held: set[str] = set()  # the pools whose slots were held back for others
+        self._unshared: dict[str, float] = {}  # pool -> until when shares do not cap it
         # Actions whose on_complete work met a database error in a pipelined pass
         # (a handler that uses COPY or a named cursor, which a pipeline refuses, or
         # one whose SQL fails): their batches skip the pipeline, or every one of
@@ -209,7 +222,12 @@ class Worker:
 
     def _dispatch_once(self) -> float | None:
         """Claim and start what fits; how long to wait for a wake-up (None: idle, leave)."""
+        held: set[str] = set()
         with self._lock:
+            if self._grace_at is not None:
+                wait = self._grace_at - time.monotonic()
+                if wait > 0:
+                    return wait  # the other workers' turn at the slots held back for them
             recheck, self._recheck = self._recheck, False
             # Whoever records these outcomes (the completer, or an action's own thread)
             # claims for the freed slots in that transaction, then wakes us: a claim of
@@ -223,6 +241,8 @@ class Worker:
                 self._unparked.clear()
             else:
                 self._unparked.set()
+                if self._grace_at is not None:  # due: this claim takes what is still free
+                    held, self._held, self._grace_at = self._held, set(), None
         if free <= 0:
             return IDLE_POLL_S
         claimed: list[ClaimedWork] = []
@@ -235,6 +255,11 @@ class Worker:
             if not look or self.store.run(self._claimable, readonly=True, snapshot=False):
                 claimed, more = self.store.run(lambda tx: self._claim_in(tx, free=free))()
                 self._start_all(claimed)
+                taken = held.intersection(work.pool for work in claimed)
+                if taken:
+                    # Nobody took them: the other workers are busy elsewhere, or gone.
+                    until = time.monotonic() + SHARE_OFF_S
+                    self._unshared.update(dict.fromkeys(taken, until))
                 if claimed and not more:
                     # Let the threads just handed work take the GIL before the read
                     # that says how long to sleep, not after it: a job's start after
@@ -254,6 +279,59 @@ class Worker:
                 return None
             return min(self._sleep_time(), SHORT_POLL_S)
         return self._sleep_time()
+
+    def peers_seen(self, workers: list[list[str]]) -> None:
+        """The pools each live worker serves (empty: all), as the maintenance loop read
+        them (at each heartbeat, and every PEERS_EVERY_S)."""
+        self._peer_pools, self._peers = workers, {}
+
+    def _share_left(self, pool: str, now: float) -> int | None:
+        """How many more attempts of ``pool`` this worker may take within its share of
+        the pool's limit (the limit over the live workers that serve the pool); None
+        when shares do not cap it.
+
+        Without shares, the worker that claims first keeps every slot: its records
+        refill the slots they free, and the others find none. With the default limit
+        and concurrency (10 and 10) and CPU-bound actions, a pool then ran on one
+        process's GIL however many workers served it. A share only defers: slots held
+        back are taken after SHARE_GRACE_S by their own worker if nobody else did.
+        """
+        peers = self._peers.get(pool)
+        if peers is None:
+            peers = self._peers[pool] = sum(
+                1 for pools in self._peer_pools if not pools or pool in pools
+            )
+        config = self.configs.get(pool)
+        if peers <= 1 or config is None or self._unshared.get(pool, 0.0) > now:
+            return None
+        share = -(-config.max_parallelism // peers)
+        if share >= self.options.concurrency:
+            return None
+        with self._lock:
+            mine = sum(1 for entry in self._inflight.values() if entry.work.pool == pool)
+        return max(share - mine, 0)
+
+    def _hold_back(self, rooms: dict[str, int], freed: dict[str, int]) -> None:
+        """Cap a record's refill of each pool at this worker's share (``_share_left``).
+        Slots it frees and may not refill are left to the other workers (the record
+        notifies them); the dispatcher takes them itself after SHARE_GRACE_S if they
+        are still free then. (The dispatcher's own claims are not capped: they take
+        what nobody else has, as a worker that starts, or outlives the others, must.)"""
+        now = time.monotonic()
+        held = set()
+        for pool, room in rooms.items():
+            left = self._share_left(pool, now)
+            if left is None or left >= room:
+                continue
+            rooms[pool] = left
+            if left < freed.get(pool, 0):
+                held.add(pool)
+        if held:
+            with self._lock:
+                self._held |= held
+                if self._grace_at is None:
+                    self._grace_at = now + SHARE_GRACE_S
+            self.wake.set()  # to wait out the grace, not an idle poll
 
     def _claimable(self, tx: Tx) -> bool:
         return self.store.claimable(tx, self.options.pools, self.clock())
@@ -369,6 +447,8 @@ class Worker:
             pools = None if self.options.pools is None else served
             found = self.store.claim_rooms(tx, pools, now) if served else {}
             rooms = {p: n + freed.get(p, 0) for p, n in found.items()}
+        if freed:
+            self._hold_back(rooms, freed)
         batch = self.store.worker_batch
         asks = _shares({p: min(n, batch) for p, n in rooms.items()}, free, next(self._turns))
         # Every claim goes with the COMMIT, in the one global lock order (sorted).

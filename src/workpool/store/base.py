@@ -866,6 +866,10 @@ class Store(abc.ABC):
     def heartbeat(self, tx: Tx, worker: WorkerInfo, now: float, expires_at: float) -> None: ...
 
     @abc.abstractmethod
+    def live_workers(self, tx: Tx, now: float) -> list[list[str]]:
+        """The pools each worker whose lease has not run out serves (empty: all)."""
+
+    @abc.abstractmethod
     def remove_worker(self, tx: Tx, worker_id: str) -> None: ...
 
     @abc.abstractmethod

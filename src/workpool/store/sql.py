@@ -664,6 +664,10 @@ class SqlStore(SqlReads, Store):
             (worker.id, worker.host, worker.pid, ",".join(worker.pools), now, now, expires_at),
         )
 
+    def live_workers(self, tx: Tx, now: float) -> list[list[str]]:
+        rows = self.q(tx, "SELECT pools FROM {s}workers WHERE expires_at > ?", (now,))
+        return [pools.split(",") if pools else [] for (pools,) in rows.fetchall()]
+
     def remove_worker(self, tx: Tx, worker_id: str) -> None:
         self.q(tx, "DELETE FROM {s}workers WHERE id = ?", (worker_id,))
 
