@@ -575,7 +575,7 @@ def test_a_records_refill_is_capped_at_the_workers_share(app):
     or a pool whose share was lifted is not capped."""
     # Limit 5 over 2 workers: a share of 3. Running 3 after the finish: none left.
     worker = _worker_with(app, concurrency=5, running=3, limit=5, peers=2)
-    assert worker._share_left("p", time.monotonic()) == 0
+    assert worker._share("p", time.monotonic()) == 3
     rooms = {"p": 2}
     worker._hold_back(rooms, {"p": 2})
     assert rooms == {"p": 0}
@@ -588,12 +588,15 @@ def test_a_records_refill_is_capped_at_the_workers_share(app):
     assert rooms == {"p": 2}
     assert worker._held == set() and worker._grace_at is None
 
-    assert _worker_with(app, 5, 3, 5, peers=1)._share_left("p", time.monotonic()) is None
-    assert _worker_with(app, 2, 3, 5, peers=2)._share_left("p", time.monotonic()) is None
+    assert _worker_with(app, 5, 3, 5, peers=1)._share("p", time.monotonic()) is None
+    assert _worker_with(app, 2, 3, 5, peers=2)._share("p", time.monotonic()) is None
     lifted = _worker_with(app, 5, 3, 5, peers=2)
     lifted._unshared["p"] = time.monotonic() + 60
-    assert lifted._share_left("p", time.monotonic()) is None
+    assert lifted._share("p", time.monotonic()) is None
+    rooms = {"p": 2}
+    lifted._hold_back(rooms, {"p": 2})
+    assert rooms == {"p": 2} and lifted._grace_at is None
     # Workers serving other pools only do not count.
     other = _worker_with(app, 5, 3, 5, peers=1)
     other.peers_seen([["p"], ["q"], ["q", "r"]])
-    assert other._share_left("p", time.monotonic()) is None
+    assert other._share("p", time.monotonic()) is None

@@ -55,7 +55,7 @@ ANALYZE_EVERY_S = 5.0
 # that no claim's commit has to: see WAL_BACKSTOP_PAGES.
 CHECKPOINT_EVERY_S = 0.25
 # How often a worker reads which live workers serve which pools (one small read),
-# besides at its heartbeats: the shares of pools' limits (Worker._share_left) follow
+# besides at its heartbeats: the shares of pools' limits (Worker._share) follow
 # workers that start or stop within this.
 PEERS_EVERY_S = 0.5
 

@@ -22,6 +22,7 @@ import socket
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
@@ -56,7 +57,7 @@ SHORT_POLL_S = 0.05
 # Up to this many characters of a claim's args are decoded in one parse (see
 # _decoded_args); a claim of more decodes each attempt's args apart.
 JOINED_ARGS_MAX = 100_000
-# A pool's slots are shared among the live workers that serve it (``_share_left``):
+# A pool's slots are shared among the live workers that serve it (``_share``):
 # a worker past its share leaves a slot it frees to the others for this long, then
 # takes it itself if none did; and once it had to, it keeps what it takes for
 # SHARE_OFF_S (the others are busy elsewhere, or dead and not yet expired).
@@ -285,10 +286,10 @@ class Worker:
         them (at each heartbeat, and every PEERS_EVERY_S)."""
         self._peer_pools, self._peers = workers, {}
 
-    def _share_left(self, pool: str, now: float) -> int | None:
-        """How many more attempts of ``pool`` this worker may take within its share of
-        the pool's limit (the limit over the live workers that serve the pool); None
-        when shares do not cap it.
+    def _share(self, pool: str, now: float) -> int | None:
+        """This worker's share of ``pool``'s limit: the limit over the live workers
+        that serve the pool, rounded up; None when shares do not cap it (one worker,
+        a share of at least this worker's concurrency, or a pool let go of them).
 
         Without shares, the worker that claims first keeps every slot: its records
         refill the slots they free, and the others find none. With the default limit
@@ -305,23 +306,25 @@ class Worker:
         if peers <= 1 or config is None or self._unshared.get(pool, 0.0) > now:
             return None
         share = -(-config.max_parallelism // peers)
-        if share >= self.options.concurrency:
-            return None
-        with self._lock:
-            mine = sum(1 for entry in self._inflight.values() if entry.work.pool == pool)
-        return max(share - mine, 0)
+        return share if share < self.options.concurrency else None
 
     def _hold_back(self, rooms: dict[str, int], freed: dict[str, int]) -> None:
-        """Cap a record's refill of each pool at this worker's share (``_share_left``).
-        Slots it frees and may not refill are left to the other workers (the record
-        notifies them); the dispatcher takes them itself after SHARE_GRACE_S if they
-        are still free then. (The dispatcher's own claims are not capped: they take
-        what nobody else has, as a worker that starts, or outlives the others, must.)"""
+        """Cap a record's refill of each pool at what this worker's share leaves
+        (``_share``). Slots it frees and may not refill are left to the other workers
+        (the record notifies them); the dispatcher takes them itself after
+        SHARE_GRACE_S if they are still free then. (The dispatcher's own claims are
+        not capped: they take what nobody else has, as a worker that starts, or
+        outlives the others, must.)"""
         now = time.monotonic()
+        shares = {pool: share for pool in rooms if (share := self._share(pool, now)) is not None}
+        if not shares:
+            return
+        with self._lock:  # one pass over the attempts in flight, whatever the pools
+            mine = Counter(entry.work.pool for entry in self._inflight.values())
         held = set()
-        for pool, room in rooms.items():
-            left = self._share_left(pool, now)
-            if left is None or left >= room:
+        for pool, share in shares.items():
+            left = max(share - mine[pool], 0)
+            if left >= rooms[pool]:
                 continue
             rooms[pool] = left
             if left < freed.get(pool, 0):
