@@ -1,16 +1,17 @@
 """workpool alone on workloads beyond the issue's: the paths a user meets that
 the side-by-side benchmark does not time (queries, mutations, async actions,
 failures, many pools, a 200k batch, status and cancel of it, a drain of 500k,
-scheduled work, producers on threads, in asyncio and in processes, and
-producer processes beside draining workers).
+scheduled work, producers on threads, in asyncio and in processes, producer
+processes beside draining workers, and CPU-bound actions on two workers that
+share a pool's limit).
 
     bench/.venv/bin/python bench/further.py [--store sqlite|postgresql] [--only a,b]
 
 Each workload gets a fresh store (a new SQLite file; PostgreSQL: the database
 `bench_further`, dropped and created again) and runs its worker in this process
 (`run_worker(until_idle=True)`, concurrency 400), so rates are of one process, not
-comparable with bench/run.py's two worker processes; `processes` and `mixed`
-spawn producer (and, for `mixed`, 2 worker) processes of their own. It prints
+comparable with bench/run.py's two worker processes; `processes`, `mixed` and
+`shares` spawn producer or worker processes of their own. It prints
 one line per number; nothing is checked against a target.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import itertools
 import logging
 import multiprocessing
@@ -75,6 +77,13 @@ def build_at(url: str) -> Any:
     @app.query(name="query")
     def query(tx: Any, i: int) -> int:
         return i
+
+    @app.action(name="burn")
+    def burn(ms: float) -> int:
+        until = time.thread_time() + ms / 1000.0
+        while time.thread_time() < until:
+            pass
+        return os.getpid()
 
     return app
 
@@ -237,10 +246,10 @@ def processes(store: str) -> None:
         report(store, f"single enqueues from {count} process(es): calls/s", f"{rate:,.0f}")
 
 
-def _work_in_process(url: str, stop: Any) -> None:
+def _work_in_process(url: str, stop: Any, concurrency: int = 100) -> None:
     app = build_at(url)
     threading.Thread(target=lambda: (stop.wait(), app.stop_workers()), daemon=True).start()
-    app.run_worker(concurrency=100)
+    app.run_worker(concurrency=concurrency)
     app.close()
 
 
@@ -295,6 +304,37 @@ def mixed(store: str) -> None:
         app.close()
 
 
+def shares(store: str) -> None:
+    """160 CPU-bound actions of 20 ms, a pool of limit 4, 2 worker processes of 4
+    slots: how long, and how many each process ran. Until round 38 the first worker
+    to claim kept all 4 slots (its records refilled them), so the pool ran on one
+    process's GIL: one core (3.2 s) where two would take 1.6."""
+    app = build(store)
+    pool = app.pool("p", max_parallelism=4)
+    pool.stats()  # writes the limit before the workers read it
+    spawn = multiprocessing.get_context("spawn")
+    stop = spawn.Event()
+    workers = [spawn.Process(target=_work_in_process, args=(app.url, stop, 4)) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    time.sleep(2.0)  # both are up, and each has read that the other serves the pool
+    started = time.perf_counter()
+    ids = pool.enqueue_action_batch("burn", [{"ms": 20.0}] * 160)
+    while (stats := pool.stats()).backlog or stats.running:
+        time.sleep(0.01)
+    took = time.perf_counter() - started
+    stop.set()
+    for worker in workers:
+        worker.join(30)
+    ran = collections.Counter(status.result.return_value for status in pool.status_batch(ids))
+    report(
+        store,
+        "160 CPU-bound actions of 20 ms, limit 4, 2 workers of 4 slots: s, jobs per worker",
+        f"{took:.2f}, {sorted(ran.values())}",
+    )
+    app.close()
+
+
 def async_producers(store: str) -> None:
     app = build(store)
     pool = app.pool("p", max_parallelism=100_000)
@@ -339,6 +379,7 @@ WORKLOADS: dict[str, Callable[[str], None]] = {
     "async-producers": async_producers,
     "processes": processes,
     "mixed": mixed,
+    "shares": shares,
 }
 
 
