@@ -503,7 +503,7 @@ def _drained(pool: Any) -> bool:
 
 
 def test_workers_that_serve_a_pool_share_its_limit(store_url, rec: Recorder):
-    """Two workers of 4 slots each, a pool of limit 4: each runs about half of the
+    """Two workers of 4 slots each, a pool of limit 4: each runs a good part of the
     work (without shares the first to claim kept every slot, its records refilling
     the slots they freed, and the other ran next to nothing), and together they
     never exceed the limit."""
@@ -527,7 +527,9 @@ def test_workers_that_serve_a_pool_share_its_limit(store_url, rec: Recorder):
     assert rec.max_active <= 4
     ran = Counter(call["worker"] for call in rec.calls)
     assert sum(ran.values()) == 48
-    assert min(ran["first"], ran["second"]) >= 12, ran
+    # A fair split is 24 each; the second keeps the slots it got even if the first
+    # took one back at its grace (a slow machine), so a third of that is the floor.
+    assert min(ran["first"], ran["second"]) >= 8, ran
 
 
 def test_a_share_left_to_a_worker_that_takes_nothing_is_taken_back(app, rec: Recorder):
