@@ -54,9 +54,10 @@ ANALYZE_EVERY_S = 5.0
 # How often a worker copies the write-ahead log into the database (SQLite), so
 # that no claim's commit has to: see WAL_BACKSTOP_PAGES.
 CHECKPOINT_EVERY_S = 0.25
-# How often a worker reads which live workers serve which pools (one small read),
-# besides at its heartbeats: the shares of pools' limits (Worker._share) follow
-# workers that start or stop within this.
+# How often a worker reads which live workers serve which pools (one small read):
+# the shares of pools' limits (Worker._share) follow workers that start or stop
+# within this. (Until the first read, a tick after the worker starts, nothing is
+# shared: its records refill as they did before shares.)
 PEERS_EVERY_S = 0.5
 
 
@@ -79,7 +80,7 @@ class Maintenance:
             "tidy": worker.clock() + TIDY_EVERY_S,
             "upkeep": 0.0,
             "checkpoint": 0.0,
-            "peers": worker.clock() + PEERS_EVERY_S,  # the start's heartbeat read them
+            "peers": 0.0,
         }
         self._report_from = worker.clock() + REPORT_FIRST_S
 
@@ -174,12 +175,10 @@ class Maintenance:
     def heartbeat(self, now: float) -> None:
         worker = self.worker
 
-        def beat(tx: Tx) -> list[list[str]]:
-            self.store.heartbeat(tx, worker.info, now, now + worker.options.lease)
-            return self.store.live_workers(tx, now)
-
         try:
-            worker.peers_seen(self.store.run(beat))
+            self.store.run(
+                lambda tx: self.store.heartbeat(tx, worker.info, now, now + worker.options.lease)
+            )
         except Exception:
             self._connected_since = None
             self._next["heartbeat"] = now + 0.5  # renew as soon as the store is back

@@ -283,7 +283,7 @@ class Worker:
 
     def peers_seen(self, workers: list[list[str]]) -> None:
         """The pools each live worker serves (empty: all), as the maintenance loop read
-        them (at each heartbeat, and every PEERS_EVERY_S)."""
+        them (every PEERS_EVERY_S)."""
         self._peer_pools, self._peers = workers, {}
 
     def _share(self, pool: str, now: float) -> int | None:
