@@ -406,7 +406,7 @@ def user_table(app: Any, store_url: str) -> UserTable:
 
 
 class Recorder:
-    """Thread-safe record of calls and of how many run at once."""
+    """Thread-safe record of calls and of how many run at once (also at each call)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -418,7 +418,7 @@ class Recorder:
         with self.lock:
             self.active += 1
             self.max_active = max(self.max_active, self.active)
-            self.calls.append({"t": time.time(), **info})
+            self.calls.append({"t": time.time(), "active": self.active, **info})
 
     def leave(self) -> None:
         with self.lock:
