@@ -28,6 +28,9 @@ from workpool.cli import main
 pytestmark = pytest.mark.timeout(60)
 
 APP_SOURCE = """
+import os
+import time
+
 import workpool
 
 app = workpool.App({url!r})
@@ -39,6 +42,12 @@ NOT_AN_APP = 42
 @app.action(name="ping")
 def ping(n: int) -> int:
     return n * 2
+
+
+@app.action(name="whoami")
+def whoami(seconds: float) -> int:
+    time.sleep(seconds)
+    return os.getpid()
 
 
 @app.mutation(name="note")
@@ -239,8 +248,127 @@ def test_worker_stops_gracefully_on_sigterm(app_module: AppModule) -> None:
     assert "Traceback" not in log.read_text()
 
 
+# --- worker --processes ------------------------------------------------------------------
+
+
+def _events(log: Path, name: str) -> list[dict[str, Any]]:
+    found = []
+    for line in log.read_text().splitlines():
+        if line.startswith("{") and f'"event": "{name}"' in line:
+            found.append(json.loads(line))
+    return found
+
+
+def _wait_for(what: str, check: Any, proc: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 20
+    while not check():
+        assert proc.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, f"{what}: {log.read_text()}"
+        time.sleep(0.02)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"  # exited, not yet reaped
+    except FileNotFoundError:
+        return True
+
+
+def _supervisor(app_module: AppModule, log: Path, *args: str) -> subprocess.Popen[bytes]:
+    env = {**os.environ}
+    env.pop("WORKPOOL_DATABASE_URL", None)
+    with log.open("w") as stderr:
+        return subprocess.Popen(
+            [sys.executable, "-m", "workpool", "worker", app_module.spec, *args],
+            cwd=app_module.directory,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
+
+
+def test_worker_processes_share_the_work_and_leave_when_idle(app_module: AppModule) -> None:
+    mod = app_module.load()
+    wide = mod.app.pool("wide", max_parallelism=8)
+    ids = wide.enqueue_action_batch(mod.whoami, [{"seconds": 0.15}] * 24)
+
+    proc = run_cli(
+        "worker",
+        app_module.spec,
+        "--processes",
+        "2",
+        "--concurrency",
+        "2",
+        "--until-idle",
+        "--lease",
+        "2",
+        cwd=app_module.directory,
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    results = [s.result for s in wide.status_batch(ids)]
+    assert all(r is not None and r.kind == "success" for r in results), results
+    pids = {r.return_value for r in results if r is not None}
+    # One process alone would take 1.8 s at 2 at a time: the other starts well before.
+    assert len(pids) == 2
+    assert os.getpid() not in pids and proc.stderr.count('"worker_stopped"') == 2
+
+
+def test_worker_processes_replace_a_killed_one_and_stop_on_sigterm(
+    app_module: AppModule,
+) -> None:
+    log = app_module.directory / "worker.log"
+    proc = _supervisor(app_module, log, "--processes", "2", "--lease", "2")
+    try:
+        _wait_for("two workers", lambda: len(_events(log, "worker_started")) == 2, proc, log)
+        first, second = (e["pid"] for e in _events(log, "worker_started"))
+        os.kill(first, signal.SIGKILL)
+        _wait_for("a third worker", lambda: len(_events(log, "worker_started")) == 3, proc, log)
+        crashed = _events(log, "worker_process_crashed")
+        assert [(e["pid"], e["signal"]) for e in crashed] == [(first, "SIGKILL")]
+        third = _events(log, "worker_started")[2]["pid"]
+        assert third not in (first, second)
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stopped = _events(log, "worker_stopped")
+    assert len(stopped) == 2, log.read_text()  # the survivor and the new one, gracefully
+    assert _gone(second) and _gone(third)
+    assert "Traceback" not in log.read_text()
+
+
+def test_worker_processes_leave_when_their_supervisor_is_killed(app_module: AppModule) -> None:
+    log = app_module.directory / "worker.log"
+    proc = _supervisor(app_module, log, "--processes", "2", "--lease", "2")
+    try:
+        _wait_for("two workers", lambda: len(_events(log, "worker_started")) == 2, proc, log)
+        pids = [e["pid"] for e in _events(log, "worker_started")]
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 20
+        while not all(_gone(pid) for pid in pids):
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert len(_events(log, "worker_stopped")) == 2, log.read_text()  # deregistered
+
+
 def test_worker_rejects_bad_option_values_as_usage_errors(app_module: AppModule) -> None:
-    for args in (["--concurrency", "0"], ["--lease", "0"], ["--concurrency", "many"]):
+    for args in (
+        ["--concurrency", "0"],
+        ["--lease", "0"],
+        ["--concurrency", "many"],
+        ["--processes", "0"],
+    ):
         result = invoke("worker", app_module.spec, *args)
         assert result.exit_code == 2, (args, result.output)
         assert "Invalid value" in result.stderr

@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from workpool import __version__
-from workpool.cli import ops, serve
+from workpool.cli import ops, serve, supervisor
 from workpool.cli.loading import CliError, load_app, opened_app
 from workpool.core.errors import WorkpoolError
 
@@ -59,7 +59,16 @@ def main() -> None:
     type=click.IntRange(min=1),
     metavar="N",
     default=None,
-    help="Attempts run at once by this process (default 10).",
+    help="Attempts run at once by each worker process (default 10).",
+)
+@click.option(
+    "--processes",
+    type=click.IntRange(min=1),
+    metavar="N",
+    default=1,
+    show_default=True,
+    help="Worker processes to run, each restarted if it crashes. Sync actions that"
+    " use the CPU need one per core.",
 )
 @click.option(
     "--until-idle", is_flag=True, help="Exit once the served pools hold no pending or running work."
@@ -94,26 +103,45 @@ def main() -> None:
     show_default=True,
     help="Address the metrics server listens on (0.0.0.0: every interface).",
 )
+@click.option("--supervised-by", type=int, default=None, hidden=True)
 def worker(
     app_spec: str,
     pools: tuple[str, ...],
     concurrency: int | None,
+    processes: int,
     until_idle: bool,
     lease: float,
     shutdown_grace: float,
     metrics_port: int | None,
     metrics_host: str,
+    supervised_by: int | None,
 ) -> None:
     """Run APP's work until SIGTERM/SIGINT (or, with --until-idle, until idle).
 
     Start as many workers as you like, on one machine or many: the pools'
-    parallelism limits hold across all of them.
+    parallelism limits hold across all of them. --processes N runs N here.
     """
     app = load_app(app_spec)
+    if supervised_by is not None and not supervisor.watch_supervisor(
+        supervised_by, app.stop_workers
+    ):
+        return
     stop_metrics = None
     try:
         if metrics_port is not None:
             stop_metrics = serve.start_metrics(app, metrics_host, metrics_port)
+        if processes > 1:
+            options = [f"--pool={pool}" for pool in pools]
+            if concurrency is not None:
+                options.append(f"--concurrency={concurrency}")
+            if until_idle:
+                options.append("--until-idle")
+            options += [f"--lease={lease!r}", f"--shutdown-grace={shutdown_grace!r}"]
+            argv = supervisor.child_argv(app_spec, options)
+            status = supervisor.Supervisor(argv, processes).run()
+            if status:
+                raise click.exceptions.Exit(status)
+            return
         app.run_worker(
             pools=list(pools) or None,
             concurrency=concurrency,
