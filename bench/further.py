@@ -2,16 +2,16 @@
 the side-by-side benchmark does not time (queries, mutations, async actions,
 failures, many pools, a 200k batch, status and cancel of it, a drain of 500k,
 scheduled work, producers on threads, in asyncio and in processes, producer
-processes beside draining workers, and CPU-bound actions on two workers that
-share a pool's limit).
+processes beside draining workers, CPU-bound actions on two workers that share
+a pool's limit, and CPU-bound actions under `workpool worker --processes`).
 
     bench/.venv/bin/python bench/further.py [--store sqlite|postgresql] [--only a,b]
 
 Each workload gets a fresh store (a new SQLite file; PostgreSQL: the database
 `bench_further`, dropped and created again) and runs its worker in this process
 (`run_worker(until_idle=True)`, concurrency 400), so rates are of one process, not
-comparable with bench/run.py's two worker processes; `processes`, `mixed` and
-`shares` spawn producer or worker processes of their own. It prints
+comparable with bench/run.py's two worker processes; `processes`, `mixed`,
+`shares` and `cpu` spawn producer or worker processes of their own. It prints
 one line per number; nothing is checked against a target.
 """
 
@@ -24,6 +24,8 @@ import itertools
 import logging
 import multiprocessing
 import os
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -335,6 +337,45 @@ def shares(store: str) -> None:
     app.close()
 
 
+CPU_APP = """
+import os, sys
+sys.path.insert(0, {bench!r})
+from further import build_at
+app = build_at(os.environ["FURTHER_URL"])
+"""
+
+
+def cpu(store: str) -> None:
+    """200 CPU-bound actions of 20 ms drained by one command, `workpool worker
+    --until-idle --concurrency 4`, with 1 and 2 processes (`--processes`, round 39):
+    seconds from the command's start to its exit, start-up included, and how many
+    jobs each process ran. One core's work is 4 s."""
+    directory = tempfile.mkdtemp(prefix="wp-further-cpu-")
+    with open(os.path.join(directory, "cpu_app.py"), "w") as module:
+        module.write(CPU_APP.format(bench=os.path.dirname(os.path.abspath(__file__))))
+    for processes in (1, 2):
+        app = build(store)
+        pool = app.pool("p", max_parallelism=100_000)
+        ids = pool.enqueue_action_batch("burn", [{"ms": 20.0}] * 200)
+        command = ["worker", "cpu_app:app", "--until-idle", "--concurrency", "4"]
+        started = time.perf_counter()
+        subprocess.run(
+            [sys.executable, "-m", "workpool", *command, "--processes", str(processes)],
+            cwd=directory,
+            env={**os.environ, "FURTHER_URL": app.url},
+            stderr=subprocess.DEVNULL,
+            check=True,
+        )
+        took = time.perf_counter() - started
+        ran = collections.Counter(status.result.return_value for status in pool.status_batch(ids))
+        report(
+            store,
+            f"200 CPU-bound actions of 20 ms, --processes {processes}: s, jobs per process",
+            f"{took:.2f}, {sorted(ran.values())}",
+        )
+        app.close()
+
+
 def async_producers(store: str) -> None:
     app = build(store)
     pool = app.pool("p", max_parallelism=100_000)
@@ -380,6 +421,7 @@ WORKLOADS: dict[str, Callable[[str], None]] = {
     "processes": processes,
     "mixed": mixed,
     "shares": shares,
+    "cpu": cpu,
 }
 
 
