@@ -7,6 +7,8 @@ real workers under it).
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import signal
 import sys
@@ -67,6 +69,23 @@ sys.exit(3)
     finally:
         timer.cancel()
     assert _runs(tmp_path) == 2
+
+
+def test_a_child_that_cannot_start_is_tried_again_and_reported(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    missing = str(tmp_path / "no-such-program")
+    timer = threading.Timer(1.2, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="workpool"):
+            assert Supervisor([missing], 1).run() == 1
+    finally:
+        timer.cancel()
+    failures = [json.loads(r.getMessage()) for r in caplog.records]
+    assert [f["event"] for f in failures] == ["worker_process_start_failed"] * 2
+    assert [f["restart_in"] for f in failures] == [0.5, 1.0]
+    assert missing in failures[0]["error"]
 
 
 def test_bad_counts_are_refused() -> None:

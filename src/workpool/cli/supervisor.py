@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from types import FrameType
+from typing import Any
 
 from workpool.observability import events
 
@@ -103,23 +104,31 @@ class Supervisor:
                 self.stop()
                 child.restart_at = None
                 return
-            child.crashes = 1 if now - child.started_at >= STEADY_S else child.crashes + 1
-            delay = min(RESTART_FIRST_S * 2 ** (child.crashes - 1), RESTART_MAX_S)
-            child.restart_at = now + delay
-            events.worker_event(
-                "worker_process_crashed", 30, pid=proc.pid, **_exit(code), restart_in=delay
-            )
+            steady = now - child.started_at >= STEADY_S
+            self._again(child, now, steady, "worker_process_crashed", pid=proc.pid, **_exit(code))
             return
         if child.restart_at is None:
             return
         if self.stopping:
             child.restart_at = None
         elif now >= child.restart_at:
-            child.proc = subprocess.Popen(
-                [*self.argv, "--supervised-by", str(os.getpid())], start_new_session=True
-            )
             child.started_at = now
+            try:
+                child.proc = subprocess.Popen(
+                    [*self.argv, "--supervised-by", str(os.getpid())], start_new_session=True
+                )
+            except OSError as exc:  # out of processes or memory, for now
+                child.exit_code = 1
+                self._again(child, now, False, "worker_process_start_failed", error=str(exc))
+                return
             child.restart_at = None
+
+    def _again(self, child: _Child, now: float, steady: bool, event: str, **fields: Any) -> None:
+        """Start ``child`` again after the backoff its crashes in a row have earned."""
+        child.crashes = 1 if steady else child.crashes + 1
+        delay = min(RESTART_FIRST_S * 2 ** (child.crashes - 1), RESTART_MAX_S)
+        child.restart_at = now + delay
+        events.worker_event(event, 30, **fields, restart_in=delay)
 
     def stop(self) -> None:
         """Ask every child to leave (a second call: without waiting for running work)."""
