@@ -269,10 +269,14 @@ def _wait_for(what: str, check: Any, proc: subprocess.Popen[bytes], log: Path) -
 
 def _gone(pid: int) -> bool:
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"  # exited, not yet reaped
-    except FileNotFoundError:
+        os.kill(pid, 0)
+    except ProcessLookupError:
         return True
+    try:  # exited but not yet reaped by its new parent: a zombie (Linux tells)
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return os.path.isdir("/proc")  # it went meanwhile, or there is no /proc to ask
 
 
 def _supervisor(app_module: AppModule, log: Path, *args: str) -> subprocess.Popen[bytes]:
