@@ -220,37 +220,6 @@ def test_worker_until_idle_drains_only_the_pools_it_serves(app_module: AppModule
         assert tx.execute("SELECT n FROM notes").fetchall() == [(7,)]
 
 
-def test_worker_stops_gracefully_on_sigterm(app_module: AppModule) -> None:
-    log = app_module.directory / "worker.log"
-    env = {**os.environ}
-    env.pop("WORKPOOL_DATABASE_URL", None)
-    with log.open("w") as stderr:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "workpool", "worker", app_module.spec, "--lease", "2"],
-            cwd=app_module.directory,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-        )
-        try:
-            deadline = time.monotonic() + 20
-            while "worker_started" not in log.read_text():
-                assert proc.poll() is None, log.read_text()
-                assert time.monotonic() < deadline, "the worker did not start"
-                time.sleep(0.02)
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=20) == 0, log.read_text()
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    assert "worker_stopped" in log.read_text()
-    assert "Traceback" not in log.read_text()
-
-
-# --- worker --processes ------------------------------------------------------------------
-
-
 def _events(log: Path, name: str) -> list[dict[str, Any]]:
     found = []
     for line in log.read_text().splitlines():
@@ -279,7 +248,8 @@ def _gone(pid: int) -> bool:
         return os.path.isdir("/proc")  # it went meanwhile, or there is no /proc to ask
 
 
-def _supervisor(app_module: AppModule, log: Path, *args: str) -> subprocess.Popen[bytes]:
+def _worker_process(app_module: AppModule, log: Path, *args: str) -> subprocess.Popen[bytes]:
+    """`workpool worker APP ARGS` in a real process, its stderr in ``log``."""
     env = {**os.environ}
     env.pop("WORKPOOL_DATABASE_URL", None)
     with log.open("w") as stderr:
@@ -290,6 +260,24 @@ def _supervisor(app_module: AppModule, log: Path, *args: str) -> subprocess.Pope
             stdout=subprocess.DEVNULL,
             stderr=stderr,
         )
+
+
+def test_worker_stops_gracefully_on_sigterm(app_module: AppModule) -> None:
+    log = app_module.directory / "worker.log"
+    proc = _worker_process(app_module, log, "--lease", "2")
+    try:
+        _wait_for("the worker", lambda: "worker_started" in log.read_text(), proc, log)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "worker_stopped" in log.read_text()
+    assert "Traceback" not in log.read_text()
+
+
+# --- worker --processes ------------------------------------------------------------------
 
 
 def test_worker_processes_share_the_work_and_leave_when_idle(app_module: AppModule) -> None:
@@ -324,7 +312,7 @@ def test_worker_processes_replace_a_killed_one_and_stop_on_sigterm(
     app_module: AppModule,
 ) -> None:
     log = app_module.directory / "worker.log"
-    proc = _supervisor(app_module, log, "--processes", "2", "--lease", "2")
+    proc = _worker_process(app_module, log, "--processes", "2", "--lease", "2")
     try:
         _wait_for("two workers", lambda: len(_events(log, "worker_started")) == 2, proc, log)
         first, second = (e["pid"] for e in _events(log, "worker_started"))
@@ -349,7 +337,7 @@ def test_worker_processes_replace_a_killed_one_and_stop_on_sigterm(
 
 def test_worker_processes_leave_when_their_supervisor_is_killed(app_module: AppModule) -> None:
     log = app_module.directory / "worker.log"
-    proc = _supervisor(app_module, log, "--processes", "2", "--lease", "2")
+    proc = _worker_process(app_module, log, "--processes", "2", "--lease", "2")
     try:
         _wait_for("two workers", lambda: len(_events(log, "worker_started")) == 2, proc, log)
         pids = [e["pid"] for e in _events(log, "worker_started")]
