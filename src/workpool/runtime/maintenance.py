@@ -174,7 +174,6 @@ class Maintenance:
 
     def heartbeat(self, now: float) -> None:
         worker = self.worker
-
         try:
             self.store.run(
                 lambda tx: self.store.heartbeat(tx, worker.info, now, now + worker.options.lease)
