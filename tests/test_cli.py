@@ -1,7 +1,8 @@
 """The `workpool` command: status, worker, demo, and the one-line APP errors.
 
-SQLite only: the command line adds nothing store-specific (the library's suite
-covers both stores), and the demo is the SQLite demo by design.
+SQLite only, but for the drain of `worker --processes`, which runs on both stores:
+the command line adds nothing else store-specific (the library's suite covers both
+stores), and the demo is the SQLite demo by design.
 """
 
 from __future__ import annotations
@@ -80,11 +81,9 @@ class AppModule:
         return importlib.import_module(self.name)
 
 
-@pytest.fixture
-def app_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[AppModule]:
+def _app_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url: str) -> Iterator[AppModule]:
     # Unique module names: modules imported in-process stay in sys.modules.
     name = f"cliapp_{uuid.uuid4().hex[:8]}"
-    url = f"sqlite:///{tmp_path / 'app.db'}"
     module = AppModule(tmp_path, name, url)
     module.write(name, APP_SOURCE.format(url=url))
     monkeypatch.chdir(tmp_path)
@@ -97,6 +96,18 @@ def app_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[AppM
             app = getattr(loaded, "app", None)
             if app is not None and hasattr(app, "close"):
                 app.close()
+
+
+@pytest.fixture
+def app_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[AppModule]:
+    yield from _app_module(tmp_path, monkeypatch, f"sqlite:///{tmp_path / 'app.db'}")
+
+
+@pytest.fixture
+def app_module_on_each_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, store_url: str
+) -> Iterator[AppModule]:
+    yield from _app_module(tmp_path, monkeypatch, store_url)
 
 
 def invoke(*args: str) -> Result:
@@ -280,7 +291,10 @@ def test_worker_stops_gracefully_on_sigterm(app_module: AppModule) -> None:
 # --- worker --processes ------------------------------------------------------------------
 
 
-def test_worker_processes_share_the_work_and_leave_when_idle(app_module: AppModule) -> None:
+def test_worker_processes_share_the_work_and_leave_when_idle(
+    app_module_on_each_store: AppModule,
+) -> None:
+    app_module = app_module_on_each_store
     mod = app_module.load()
     wide = mod.app.pool("wide", max_parallelism=8)
     ids = wide.enqueue_action_batch(mod.whoami, [{"seconds": 0.15}] * 24)
