@@ -44,6 +44,13 @@ ROWS: list[tuple[str, str, str, str]] = [
     ("big", "server_ms_per_job", "big: PostgreSQL CPU ms/job", "ms"),
     ("idle", "worker_cpu_pct", "idle worker CPU % of a core", "pct"),
     ("idle", "server_cpu_pct", "PostgreSQL server CPU %", "pct"),
+    ("limit_wide", "max_concurrency", "max concurrency (limit 50)", "count"),
+    ("limit_wide", "share_of_ideal", "throughput / ideal 2,500/s", "share"),
+    ("limit_wide", "gap_ms", "slot idle between jobs ms", "ms"),
+    ("latency_fast", "p50_ms", "1,000/s: enqueue->start p50 ms", "ms"),
+    ("latency_fast", "p95_ms", "p95 ms", "ms"),
+    ("latency_fast", "p99_ms", "p99 ms", "ms"),
+    ("latency_fast", "enqueue_call_p50_ms", "single enqueue call p50 ms", "ms"),
 ]
 WORKPOOL = {"sqlite": "workpool-sqlite", "postgresql": "workpool-pg"}
 

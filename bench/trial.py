@@ -345,7 +345,9 @@ def w_big(system: System, ctx: Ctx) -> dict[str, Any]:
 WORKLOADS: dict[str, Callable[[System, Ctx], dict[str, Any]]] = {
     "drain": w_drain,
     "latency": w_latency,
+    "latency_fast": w_latency,
     "limit": w_limit,
+    "limit_wide": w_limit,
     "idle": w_idle,
     "retries": w_retries,
     "on_complete": w_drain,
