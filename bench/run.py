@@ -100,7 +100,7 @@ def system_spec(system: str, workload: str, params: dict[str, Any]) -> dict[str,
 
 
 def trial_timeout(workload: str, params: dict[str, Any]) -> float:
-    if BASE.get(workload, workload) == "latency":
+    if workload in ("latency", "latency_fast"):
         return 60.0 + params["seconds"]
     if workload.startswith("scale"):
         return 300.0
