@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from workpool.cli import supervisor
 from workpool.cli.supervisor import Supervisor
 
 pytestmark = pytest.mark.timeout(60)
@@ -91,3 +92,24 @@ def test_a_child_that_cannot_start_is_tried_again_and_reported(
 def test_bad_counts_are_refused() -> None:
     with pytest.raises(ValueError, match="count must be at least 1, got 0"):
         Supervisor(_child("pass"), 0)
+
+
+def test_a_supervisor_gone_at_once_stops_the_child_only_after_its_worker_began(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stop sent before the child's worker has begun to start would be lost, and
+    the orphan would run on: the watch looks first a second after it began."""
+    parent = os.getppid()
+    parents = iter([parent])  # there when the child starts, gone at the next look
+    monkeypatch.setattr(os, "getppid", lambda: next(parents, 1))
+    stopped = threading.Event()
+    assert supervisor.watch_supervisor(parent, stopped.set)
+    assert not stopped.wait(0.5), "stopped before the worker could begin to start"
+    assert stopped.wait(5)
+
+
+def test_a_child_whose_supervisor_is_gone_does_not_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "getppid", lambda: 1)
+    stopped = threading.Event()
+    assert not supervisor.watch_supervisor(4242, stopped.set)
+    assert not stopped.is_set()

@@ -167,14 +167,18 @@ def watch_supervisor(pid: int, stop: Callable[[], None]) -> bool:
     """In a child: call ``stop`` once the process ``pid`` is no longer its parent.
 
     False if it is not its parent already (the child should not start at all).
+    The first look comes a second after this returns: ``stop`` (``App.stop_workers``)
+    reaches only a worker that has begun to start, which the caller does next.
     """
     if os.getppid() != pid:
         return False
 
     def watch() -> None:
-        while os.getppid() == pid:
+        while True:
             time.sleep(1.0)
-        stop()
+            if os.getppid() != pid:
+                stop()
+                return
 
     threading.Thread(target=watch, name="workpool-supervisor-watch", daemon=True).start()
     return True
