@@ -348,7 +348,9 @@ def record_and_claim(store: Any, pool: str, work_id: str, result: str) -> tuple[
 
     def body(tx: Any) -> Any:
         now = time.time()
-        done = store.finish_succeeded(tx, [(work_id, 1, result, pool, 0.0, None)], now, "w1")
+        done = store.finish_succeeded(
+            tx, [(work_id, 1, result, pool, 0.0, None, "running")], now, "w1"
+        )
         claimed = store.claim_later(tx, pool, 1, "w1", now)
         seen.append([d.role for d in tx.deferred])
         return lambda: (done(), claimed())

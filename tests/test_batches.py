@@ -149,7 +149,8 @@ def test_a_success_of_a_stale_attempt_finishes_nothing_with_or_without_json(sqli
 
     def finish(items):
         stored = [
-            (w, attempt, success_json(value), "stale", 0.0, None) for w, attempt, value in items
+            (w, attempt, success_json(value), "stale", 0.0, None, "running")
+            for w, attempt, value in items
         ]
         return store.run(lambda tx: store.finish_succeeded(tx, stored, time.time(), "w"))()
 

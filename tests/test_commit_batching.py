@@ -160,10 +160,14 @@ def test_successes_are_counted_once_in_the_buckets_of_histogram_bucket(app):
     assert sorted(started) == sorted(ids)
 
     now = time.time()
-    # (id, attempt, result, pool, start lag, place): PostgreSQL counts the lags of the
+    # (id, attempt, result, pool, start lag, place, state): PostgreSQL counts the lags of the
     # rows it finishes, SQLite the ones given for them.
-    items = [(w, 1, success_json("null"), "lags", started[w], None) for w in sorted(started)]
-    stale = [(ids[0], 2, success_json("null"), "lags", 0.0, None)]  # a wrong attempt: not counted
+    items = [
+        (w, 1, success_json("null"), "lags", started[w], None, "running") for w in sorted(started)
+    ]
+    stale = [
+        (ids[0], 2, success_json("null"), "lags", 0.0, None, "running")
+    ]  # a wrong attempt: not counted
     assert store.run(lambda tx: store.finish_succeeded(tx, stale, now, "w1"))() == []
     done = store.run(lambda tx: store.finish_succeeded(tx, items, now, "w1"))()
     assert sorted(done) == sorted((w, 1) for w in ids)
@@ -196,7 +200,7 @@ def test_one_success_finishes_its_row_only_for_its_current_attempt(app, json_arr
     pool = app.pool("one")
 
     def finish(attempt: int, value: str) -> list[tuple[str, int]]:
-        item = [(wid, attempt, success_json(value), "one", 1.0, None)]
+        item = [(wid, attempt, success_json(value), "one", 1.0, None, "running")]
         return store.run(lambda tx: store.finish_succeeded(tx, item, now, "w1"))()
 
     def counted() -> tuple[int, int]:
@@ -233,9 +237,9 @@ def test_a_stale_and_a_live_outcome_of_one_item_in_one_batch_count_once(
     now = time.time()
     items = sorted(
         [
-            (wid, 0, success_json('"stale"'), "twice", 1.0, None),
-            (wid, 1, success_json('"live"'), "twice", 1.0, None),
-            (other, 1, success_json("null"), "twice", 1.0, None),
+            (wid, 0, success_json('"stale"'), "twice", 1.0, None, "running"),
+            (wid, 1, success_json('"live"'), "twice", 1.0, None, "running"),
+            (other, 1, success_json("null"), "twice", 1.0, None, "running"),
         ],
         reverse=live_first,
     )
@@ -269,7 +273,9 @@ def test_a_success_is_finished_where_its_claim_left_it_or_by_id_once_moved(app):
     # a and b trade places: each place holds the other's row.
     places[a], places[b] = places[b], places[a]
     now = time.time()
-    items = [(w, 1, success_json(f'"{w}"'), "placed", 0.0, places[w]) for w in sorted(ids)]
+    items = [
+        (w, 1, success_json(f'"{w}"'), "placed", 0.0, places[w], "running") for w in sorted(ids)
+    ]
     done = store.run(lambda tx: store.finish_succeeded(tx, items, now, "w1"))()
     assert sorted(done) == sorted((w, 1) for w in ids)
     assert store.run(lambda tx: store.finish_succeeded(tx, items, now, "w1"))() == []
@@ -288,11 +294,12 @@ def test_a_batch_of_successes_all_at_their_places_finishes_each_once(app):
     claimed = store.run(lambda tx: store.claim(tx, "in_place", 3, "w1", time.time()))
     now = time.time()
     items = [
-        (w.id, w.attempt, success_json(f'"{w.id}"'), "in_place", 0.0, w.place) for w in claimed
+        (w.id, w.attempt, success_json(f'"{w.id}"'), "in_place", 0.0, w.place, "running")
+        for w in claimed
     ]
     done = store.run(lambda tx: store.finish_succeeded(tx, items, now, "w1"))()
     assert sorted(done) == sorted((w, 1) for w in ids)
-    stale = [(ids[0], 1, success_json('"again"'), "in_place", 0.0, items[0][5])]
+    stale = [(ids[0], 1, success_json('"again"'), "in_place", 0.0, items[0][5], "running")]
     assert store.run(lambda tx: store.finish_succeeded(tx, stale + items[1:], now, "w1"))() == []
     pool = app.pool("in_place")
     for w in ids:
@@ -326,9 +333,9 @@ def test_a_finish_of_successes_at_once_tells_which_took_inside_the_transaction(
     assert sorted(w.id for w in claimed) == sorted([wid, other])
     now = time.time()
     items = [
-        (wid, 0, success_json('"stale"'), "at_once", 1.0, None),
-        (wid, 1, success_json('"live"'), "at_once", 1.0, None),
-        (other, 1, success_json("null"), "at_once", 1.0, None),
+        (wid, 0, success_json('"stale"'), "at_once", 1.0, None, "running"),
+        (wid, 1, success_json('"live"'), "at_once", 1.0, None, "running"),
+        (other, 1, success_json("null"), "at_once", 1.0, None, "running"),
     ]
     pool = app.pool("at_once")
 
@@ -484,3 +491,91 @@ def test_a_worker_claims_at_most_its_stores_batch_in_a_transaction(app):
     assert sorted(ran) == list(range(total)), "every item ran exactly once"
     assert max(asked) == batch, f"claims asked for {sorted(set(asked))[-3:]}"
     assert all(pool.status(i).state == "finished" for i in ids)
+
+
+# --- ended attempts: a slot given to the next attempt before the outcome is recorded ---------
+
+
+def _end_and_claim(store, work, pool: str):
+    """``end_attempt`` of ``work`` and a claim of 1 from ``pool``, in one transaction."""
+
+    def body(tx):
+        ended = store.end_attempt(tx, work)
+        claimed = store.claim_later(tx, pool, 1, "w1", time.time())
+        return lambda: (ended(), claimed())
+
+    return store.run(body)()
+
+
+@pytest.mark.parametrize("json_arrays", [True, False], ids=["json", "per-row"])
+def test_an_ended_attempt_frees_its_slot_and_is_recorded_as_a_running_one(app, json_arrays: bool):
+    """``end_attempt`` and a claim in one transaction: the claim takes the slot the
+    ended attempt freed, at a limit of 1; the ended work is Running to status and
+    ``completing`` to stats until its success is recorded, by the same finish as a
+    running attempt's, with the state and place that ``end_attempt`` answered."""
+    if not json_arrays:
+        _no_json(app)
+    store = app.store
+    first, second, third = _pending(app, "handed", 3)
+    pool = app.pool("handed")
+    pool.configure(max_parallelism=1)
+    (work,) = store.run(lambda tx: store.claim(tx, "handed", 1, "w1", time.time()))
+    assert store.run(lambda tx: store.claim(tx, "handed", 1, "w1", time.time())) == []
+
+    ended, claimed = _end_and_claim(store, work, "handed")
+    assert ended is not None and (ended.id, ended.state) == (first, "ended")
+    assert ended.place is not None
+    assert [w.id for w in claimed] == [second], "the ended attempt's slot went to the next"
+    assert isinstance(pool.status(first), workpool.Running)
+    stats = pool.stats()
+    assert (stats.running, stats.completing, stats.backlog) == (1, 1, 1)
+    assert store.run(lambda tx: store.claim(tx, "handed", 1, "w1", time.time())) == []
+
+    again, claimed_again = _end_and_claim(store, work, "handed")
+    assert again is None, "an attempt ends once"
+    assert claimed_again == [], "and a stale end frees no slot"
+
+    now = time.time()
+    item = [(first, 1, success_json("7"), "handed", 0.0, ended.place, "ended")]
+    assert store.run(lambda tx: store.finish_succeeded(tx, item, now, "w1"))() == [(first, 1)]
+    assert pool.status(first) == workpool.Finished(workpool.Success(7))
+    assert pool.status(third).state == "pending"
+
+
+def test_an_ended_attempt_that_failed_is_retried_and_one_whose_worker_died_is_rescued(app):
+    """The paths that read the row first (failures, the rescuer) take an ended row
+    as they take a running one: a retry puts it back to pending; a lost one (its
+    worker's lease expired) is found by ``lost_work`` and rescued."""
+    from workpool.core.decide import Raised
+    from workpool.core.retry import DEFAULT_RETRY
+    from workpool.runtime.completion import Changes
+
+    store = app.store
+    app.pool("ends").configure(max_parallelism=2)
+    ids = new_work_ids(2)
+    retried = [
+        NewWork(i, "ends", "action", "noop", "{}", None, None, DEFAULT_RETRY, None, 0.0, 0.0)
+        for i in ids
+    ]
+    store.run(lambda tx: store.insert_work(tx, retried))
+    claimed = store.run(lambda tx: store.claim(tx, "ends", 2, "w1", time.time()))
+    for work in claimed:
+        ended, _ = _end_and_claim(store, work, "ends")
+        assert ended is not None
+    failing, lost = sorted(claimed, key=lambda w: w.id)
+
+    def fail(tx):
+        changes = Changes()
+        row = store.load_many_for_update(tx, [failing.id])[failing.id]
+        assert row.state == "ended"
+        assert app.completion.complete(tx, row, Raised("boom"), time.time(), changes)
+        changes.flush(store, tx, "w1", time.time())
+
+    store.run(fail)
+    status = app.pool("ends").status(failing.id)
+    assert status.state == "pending" and status.previous_attempts == 1
+
+    later = time.time() + 3600  # "w1" never sent a heartbeat: its lease is long gone
+    found = store.run(lambda tx: store.lost_work(tx, ["ends"], later, 10))
+    assert [(w.id, w.state) for w in found] == [(lost.id, "ended")]
+    assert sorted(ids) == sorted([failing.id, lost.id])

@@ -29,6 +29,7 @@ import workpool
 from conftest import background_worker, holds_for, wait_for
 from workpool.core import histogram
 from workpool.core.errors import StoreUnavailableError
+from workpool.core.results import WorkInfo
 from workpool.dashboard import create_app, operator
 from workpool.dashboard.sampler import Sampler
 from workpool.dashboard.serve import bind, url_of
@@ -322,6 +323,13 @@ def test_sampler_keeps_a_bounded_series_per_pool() -> None:
 )
 def test_every_status_is_explained(status: workpool.Status, words: str) -> None:
     assert words in operator.explain(status, None, now=1000.0)
+
+
+def test_an_ended_attempt_is_explained_as_ending() -> None:
+    """Running to status, but its action returned and its slot went on already."""
+    info = WorkInfo("w", "p", "action", "f", "ended", {}, 1, 900.0, worker_id="worker-9")
+    text = operator.explain(workpool.Running(0, 1, 990.0), info, now=1000.0)
+    assert text.startswith("ending: attempt 1 returned on worker worker-9 and gave its slot")
 
 
 # --- the page in a real browser (SQLite) ---------------------------------------------------

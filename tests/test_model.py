@@ -49,9 +49,16 @@ import workpool
 from workpool import Canceled, Failed, Finished, Pending, RetryBehavior, Running, Success
 from workpool.core.decide import Finish, Raised, RetryAt, Succeeded, decide
 from workpool.core.errors import NonRetryableError, describe_error
-from workpool.core.states import TRANSITIONS, WorkState, allowed
+from workpool.core.states import RECORDABLE, TRANSITIONS, WorkState, allowed
 from workpool.runtime.completion import Changes, Completion, HandlerRaised
-from workpool.store.base import ActiveWork, Finishing, Handing, Retrying, WorkerInfo
+from workpool.store.base import (
+    ActiveWork,
+    ClaimedWork,
+    Finishing,
+    Handing,
+    Retrying,
+    WorkerInfo,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -135,7 +142,7 @@ class Item:
     handler_fails: int | None  # None: no on_complete; else the handler raises this often
     due_at: float
     enqueued_at: float
-    state: str = "pending"  # pending | running | completing | finished
+    state: str = "pending"  # pending | running | ended | completing | finished
     attempt: int = 0
     started_at: float | None = None
     worker: str | None = None
@@ -231,7 +238,9 @@ class WorkModel(RuleBasedStateMachine):
         return [
             (wid, attempt, kind)
             for wid, attempt, kind in self.attempts
-            if not (self.items[wid].state == "running" and self.items[wid].attempt == attempt)
+            if not (
+                self.items[wid].state in ("running", "ended") and self.items[wid].attempt == attempt
+            )
         ]
 
     def dump(self) -> tuple[Any, ...]:
@@ -331,7 +340,7 @@ class WorkModel(RuleBasedStateMachine):
                 current = store.load_many_for_update(tx, [wid]).get(wid)
             else:
                 current = store.load_for_update(tx, wid)
-            if current is None or current.state != "running" or current.attempt != attempt:
+            if current is None or current.state not in RECORDABLE or current.attempt != attempt:
                 return False
             changes = Changes(optimistic=optimistic, known_failures=dict(known))
             done = self.completion.complete(tx, current, outcome, now, changes, 0.0)
@@ -509,13 +518,31 @@ class WorkModel(RuleBasedStateMachine):
                 self.snapshots[(wid, row.attempt)] = row
         return claimed
 
-    @precondition(lambda self: bool(self.of_state("running")))
+    @precondition(lambda self: bool(self.of_state("running", "ended")))
     @rule(data=st.data(), outcome=OUTCOMES)
     def complete(self, data: st.DataObject, outcome: tuple[Any, ...]) -> None:
-        item = data.draw(
-            st.sampled_from(sorted(self.of_state("running"), key=lambda i: i.wid)), label="item"
-        )
+        live = sorted(self.of_state("running", "ended"), key=lambda i: i.wid)
+        item = data.draw(st.sampled_from(live), label="item")
         self._complete(item, outcome)
+
+    @precondition(lambda self: any(i.kind == "action" for i in self.of_state("running")))
+    @rule(data=st.data())
+    def end(self, data: st.DataObject) -> None:
+        """An action returned and its worker gave its slot on (``Worker._hand_over``):
+        the attempt is ended, its outcome recorded later (``complete``), or never if
+        its worker dies (``rescue``)."""
+        running = sorted(
+            (i for i in self.of_state("running") if i.kind == "action"), key=lambda i: i.wid
+        )
+        item = data.draw(st.sampled_from(running), label="item")
+        assert item.started_at is not None
+        work = ClaimedWork(item.wid, POOL, "action", "act", "{}", item.attempt, None, 0.0, 0.0)
+        ended = self.store.run(lambda tx: self.store.end_attempt(tx, work))()
+        assert ended is not None and (ended.id, ended.state) == (item.wid, "ended")
+        again = self.store.run(lambda tx: self.store.end_attempt(tx, work))()
+        assert again is None, "an attempt ends once"
+        COVERAGE["ended"] += 1
+        item.state = "ended"
 
     def _complete(self, item: Item, outcome: tuple[Any, ...]) -> None:
         attempt_outcome, error = self.outcome_of(item.kind, outcome)
@@ -571,7 +598,7 @@ class WorkModel(RuleBasedStateMachine):
             assert self.pool.cancel(str(uuid.uuid4())) is False
             return
         if how == "one":
-            running = sorted(self.of_state("running"), key=lambda i: i.wid)
+            running = sorted(self.of_state("running", "ended"), key=lambda i: i.wid)
             if running and data.draw(st.booleans(), label="a running one"):
                 item = data.draw(st.sampled_from(running))
             else:
@@ -605,7 +632,7 @@ class WorkModel(RuleBasedStateMachine):
                 item.last_error = "canceled"
                 item.worker = None
             return True
-        if item.state == "running" and not item.cancel_requested:
+        if item.state in ("running", "ended") and not item.cancel_requested:
             item.cancel_requested = True
             return True
         return False
@@ -641,7 +668,7 @@ class WorkModel(RuleBasedStateMachine):
             lambda tx: self.store.maintenance_due(tx, [POOL], now), readonly=True
         )
         assert (lost, due) == (
-            any(self.expires[i.worker or GHOST] <= now for i in self.of_state("running")),
+            any(self.expires[i.worker or GHOST] <= now for i in self.of_state("running", "ended")),
             any(i.due_at <= now for i in self.of_state("completing")),
         )
         assert self.store.run(
@@ -672,7 +699,9 @@ class WorkModel(RuleBasedStateMachine):
             return [w.id for w in lost]
 
         rescued = store.run(body)
-        expected = [i for i in self.of_state("running") if self.expires[i.worker or GHOST] <= now]
+        expected = [
+            i for i in self.of_state("running", "ended") if self.expires[i.worker or GHOST] <= now
+        ]
         assert sorted(rescued) == sorted(i.wid for i in expected)
         for item in expected:
             COVERAGE[f"rescued_{item.kind}"] += 1
@@ -721,7 +750,7 @@ class WorkModel(RuleBasedStateMachine):
     def expected_status(self, item: Item, running: int) -> workpool.Status:
         if item.state == "finished":
             return Finished(item.result, item.handler_error)
-        if item.state == "running":
+        if item.state in ("running", "ended"):
             return Running(item.attempt - 1, item.attempt, item.started_at)
         if item.state == "completing":
             return Running(item.attempt, item.attempt, item.started_at)
@@ -794,7 +823,7 @@ class WorkModel(RuleBasedStateMachine):
             len(self.of_state("running")),
             sum(i.due_at <= self.now for i in pending),
             sum(i.due_at > self.now for i in pending),
-            len(self.of_state("completing")),
+            len(self.of_state("completing", "ended")),
             len(self.of_state("finished")),
         )
         t = self.tally
@@ -945,17 +974,19 @@ def test_decide_property(
 # --- core.states.TRANSITIONS, by name ---------------------------------------------------------
 
 P, R, C, F = WorkState.PENDING, WorkState.RUNNING, WorkState.COMPLETING, WorkState.FINISHED
+E = WorkState.ENDED
 
 EXPECTED_TRANSITIONS = {
     "claim": ({P}, R),
-    "retry": ({R}, P),
-    "finish": ({R}, F),
-    "finish_handler_failed": ({R}, C),
+    "end": ({R}, E),
+    "retry": ({R, E}, P),
+    "finish": ({R, E}, F),
+    "finish_handler_failed": ({R, E}, C),
     "cancel_pending": ({P}, F),
     "cancel_pending_with_handler": ({P}, C),
-    "rescue_retry": ({R}, P),
-    "rescue_finish": ({R}, F),
-    "rescue_handler_failed": ({R}, C),
+    "rescue_retry": ({R, E}, P),
+    "rescue_finish": ({R, E}, F),
+    "rescue_handler_failed": ({R, E}, C),
     "finalize": ({C}, F),
     "finalize_failed": ({C}, C),
 }
@@ -996,6 +1027,13 @@ def test_finished_is_terminal_and_reachable_from_every_state() -> None:
 def test_running_never_goes_back_to_pending_without_retry_or_rescue() -> None:
     back = {name for name, (src, dst) in TRANSITIONS.items() if R in src and dst == P}
     assert back == {"retry", "rescue_retry"}
+
+
+def test_ended_leaves_only_as_running_does() -> None:
+    """An ended attempt's outcome is recorded exactly as a running one's would be."""
+    for name, (sources, _) in TRANSITIONS.items():
+        if name != "end":
+            assert (E in sources) == (R in sources), name
 
 
 def test_unknown_transition_name_is_a_key_error() -> None:

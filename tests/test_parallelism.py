@@ -69,9 +69,10 @@ def test_async_actions_never_exceed_limit_and_reach_it(app, rec: Recorder):
 
 
 def test_at_its_limit_a_freed_slot_is_refilled_on_the_thread_that_freed_it(app, rec: Recorder):
-    """With the completer idle, the thread whose sync action ended records it (its
-    on_complete runs there) and runs what its claim took next: no hand-off to the
-    completer and back to an executor thread while the pool waits."""
+    """With the completer idle, the thread whose sync action ended gives its slot to
+    the next attempt and runs it: no hand-off to the completer and back to an
+    executor thread while the pool waits. The outcome (and its on_complete) is
+    recorded after, once per item."""
     threads: dict[int, str] = {}
 
     @app.action(name="step")
@@ -94,7 +95,6 @@ def test_at_its_limit_a_freed_slot_is_refilled_on_the_thread_that_freed_it(app, 
     handled = [c for c in rec.calls if "thread" in c]
     assert sorted(c["i"] for c in handled) == list(range(5)), "on_complete once per item"
     assert len(set(threads.values())) == 1, threads
-    assert {c["thread"] for c in handled} == set(threads.values())
     assert [s.result for s in pool.status_batch(wids)] == [workpool.Success(i) for i in range(5)]
 
 

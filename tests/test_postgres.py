@@ -813,3 +813,45 @@ def test_a_record_of_successes_that_claims_is_one_call_of_the_record_claim_funct
     with pytest.raises(psycopg.errors.UndefinedFunction):
         record_and_claim(store, "fused", ids[1], success_json("7"))
     assert pool.status(ids[1]).state == "running", "the failed call changed nothing"
+
+
+def test_an_end_and_a_claim_are_one_call_of_the_end_claim_function(
+    pg_app: Any, pg_url: str
+) -> None:
+    """A transaction of ``end_attempt`` and a claim, and nothing else (a hand-over at
+    a pool's limit), runs as one call of the end-and-claim function (what it does is
+    checked on both stores in test_commit_batching): with the function dropped, it
+    fails and changes nothing."""
+
+    @pg_app.action
+    def noop() -> None:
+        pass
+
+    pool = pg_app.pool("handed", max_parallelism=1)
+    ids = pool.enqueue_action_batch(noop, [{}, {}, {}])
+    store = pg_app.store
+
+    def end_and_claim(work: Any) -> tuple[Any, Any, list[Any]]:
+        roles: list[Any] = []
+
+        def body(tx: Any) -> Any:
+            ended = store.end_attempt(tx, work)
+            claimed = store.claim_later(tx, "handed", 1, "w1", time.time())
+            roles.append([d.role for d in tx.deferred])
+            return lambda: (ended(), claimed())
+
+        ended, claimed = store.run(body)()
+        return ended, claimed, roles[-1]
+
+    (first,) = store.run(lambda tx: store.claim(tx, "handed", 1, "w1", time.time()))
+    ended, claimed, roles = end_and_claim(first)
+    assert roles == ["end", "claim"]
+    assert ended is not None and ended.state == "ended" and ended.place != first.place
+    assert [w.id for w in claimed] == [ids[1]]
+
+    with psycopg.connect(_conninfo(pg_url), autocommit=True) as conn:
+        conn.execute(f"DROP FUNCTION {store._end_claim_function[0]}")
+    with pytest.raises(psycopg.errors.UndefinedFunction):
+        end_and_claim(claimed[0])
+    assert pool.status(ids[1]).state == "running", "the failed call changed nothing"
+    assert pool.status(ids[2]).state == "pending"

@@ -86,7 +86,7 @@ def test_a_record_that_refills_its_slot_queues_only_at_its_commit(app: Any) -> N
 
     def record(tx: Any) -> Any:
         now = time.time()
-        success = (first, 1, success_json("null"), "q", 0.0, None)
+        success = (first, 1, success_json("null"), "q", 0.0, None, "running")
         done = store.finish_succeeded(tx, [success], now, "w1")
         refill = store.claim_later(tx, "q", 1, "w1", now)
         queued.append(_queue_taken(store.path))

@@ -21,6 +21,7 @@ from workpool.core.results import (
     result_from_json,
 )
 from workpool.core.retry import DEFAULT_RETRY, RetryBehavior, resolve_retry
+from workpool.core.states import RECORDABLE
 from workpool.core.validation import (
     check_args,
     check_int,
@@ -630,7 +631,7 @@ class Pool:
             return Finished(result_from_json(row.finished.result), row.finished.handler_error)
         work = row.active
         assert work is not None
-        if work.state == "running":
+        if work.state in RECORDABLE:  # ended: its outcome is not recorded yet
             return Running(work.attempt - 1, work.attempt, work.started_at)
         if work.state == "completing":
             return Running(work.attempt, work.attempt, work.started_at)

@@ -111,7 +111,7 @@ Status = Pending | Running | Finished
 class WorkInfo:
     """Everything known about one work item, for operators (``app.inspect``).
 
-    ``state`` is the stored state: pending, running, completing or finished.
+    ``state`` is the stored state: pending, running, ended, completing or finished.
     ``attempts`` counts attempts started so far; ``args`` are the decoded args.
     """
 

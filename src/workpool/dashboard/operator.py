@@ -197,8 +197,15 @@ def _explain_running(status: Running, info: WorkInfo | None, now: float) -> str:
             f"{error}. It counts as Running until the handler commits or is given up."
         )
     attempt = status.attempt or status.previous_attempts + 1
-    since = f" since {ago(status.started_at, now)}" if status.started_at else ""
     worker = f" on worker {info.worker_id}" if info is not None and info.worker_id else ""
+    if info is not None and info.state == "ended":
+        return (
+            f"ending: attempt {attempt} returned{worker} and gave its slot to the next"
+            " attempt; its outcome is being recorded. If that worker died first, the"
+            f" attempt counts as failed once its lease expires ({LEASE_DEFAULT_S:g} s by"
+            " default)."
+        )
+    since = f" since {ago(status.started_at, now)}" if status.started_at else ""
     cancel = " Cancel requested: it will not be retried." if info and info.cancel_requested else ""
     return (
         f"running: attempt {attempt}{since}{worker}. If that worker died, the attempt counts"

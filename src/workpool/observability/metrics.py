@@ -51,7 +51,7 @@ GAUGES: tuple[tuple[str, str], ...] = (
     ("running", "Attempts running now (they hold a slot)."),
     ("backlog", "Pending work that is due now and not started."),
     ("scheduled", "Pending work due later: first starts and retries waiting for backoff."),
-    ("completing", "Work whose result is fixed but whose on_complete has not committed."),
+    ("completing", "Work whose attempt is over but not yet recorded, or whose on_complete waits."),
     ("finished_retained", "Finished work still kept for status (status_ttl)."),
     ("max_parallelism", "The pool's limit of attempts running at once (0 = paused)."),
     ("paused", "1 when the pool is paused (max_parallelism 0), else 0."),

@@ -23,7 +23,7 @@ class PoolStats:
     running: int
     backlog: int  # due, not started
     scheduled: int  # pending with a future due time (first starts and retries)
-    completing: int  # result fixed, on_complete not yet committed
+    completing: int  # attempt over (ended or completing), outcome or on_complete not committed
     finished: int  # retained finished work
     window: float
     completed: int

@@ -36,6 +36,7 @@ from workpool.core.results import (
     result_to_json,
     success_json,
 )
+from workpool.core.states import RECORDABLE
 from workpool.observability import events
 from workpool.runtime.registry import Registry
 from workpool.store.base import (
@@ -103,11 +104,13 @@ class Changes:
         return tally
 
     def freed(self) -> dict[str, int]:
-        """Rows per pool that leave ``running`` (or ``pending``) in this transaction."""
+        """Rows per pool that leave ``running`` (or ``pending``) in this transaction;
+        an ``ended`` row gave its slot up before."""
         freed = dict(self.direct)
-        pools = [f.work.pool for f in self.finished] + [r.work.pool for r in self.retried]
-        for pool in pools + [h.work.pool for h in self.handed]:
-            freed[pool] = freed.get(pool, 0) + 1
+        works = [f.work for f in self.finished] + [r.work for r in self.retried]
+        for work in works + [h.work for h in self.handed]:
+            if work.state != "ended":
+                freed[work.pool] = freed.get(work.pool, 0) + 1
         return freed
 
     def requeued(self) -> set[str]:
@@ -221,7 +224,7 @@ class Completion:
         duration: float | None = None,
     ) -> bool:
         """Record the end of ``work``'s current attempt; False if it was stale."""
-        if work.state != "running" or not changes.claim(work):
+        if work.state not in RECORDABLE or not changes.claim(work):
             return False
         decision = decide(
             outcome,
@@ -282,12 +285,21 @@ class Completion:
         """
         # Sorted: rows are locked in one global order, as everywhere else.
         items = sorted(
-            (w.id, w.attempt, _success_json(o), w.pool, max(w.started_at - w.due_at, 0.0), w.place)
+            (
+                w.id,
+                w.attempt,
+                _success_json(o),
+                w.pool,
+                max(w.started_at - w.due_at, 0.0),
+                w.place,
+                w.state,
+            )
             for w, o, _ in batch
         )
         handled = any(w.on_complete is not None for w, _, _ in batch)
         finished = self.store.finish_succeeded(tx, items, now, worker_id, at_commit=not handled)
-        for pool, count in Counter(work.pool for work, _, _ in batch).items():
+        held = Counter(work.pool for work, _, _ in batch if work.state != "ended")
+        for pool, count in held.items():
             changes.direct[pool] = changes.direct.get(pool, 0) + count
         if handled:
             taken = set(finished())
@@ -457,7 +469,7 @@ class Completion:
                     # The handler runs in a worker, which has it registered; the caller may not.
                     changes.handed.append(Handing(work, result, now, 0, "canceled"))
                 return True
-            case "running" if not work.cancel_requested:
+            case "running" | "ended" if not work.cancel_requested:
                 return self.store.flag_cancel(tx, work)
         return False
 

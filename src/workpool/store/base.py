@@ -15,8 +15,9 @@ from workpool.core.retry import DEFAULT_RETRY, RetryBehavior
 
 T = TypeVar("T")
 FnKind = Literal["action", "mutation", "query"]
-# A success to finish: (id, attempt, result JSON, pool, start lag, ClaimedWork.place).
-Succeeded = tuple[str, int, str, str, float, str | int | None]
+# A success to finish: (id, attempt, result JSON, pool, start lag, ClaimedWork.place,
+# ClaimedWork.state).
+Succeeded = tuple[str, int, str, str, float, str | int | None, str]
 
 
 class Tx:
@@ -315,6 +316,9 @@ class ClaimedWork:
     # rowid), for the finish of a success to find it without an index lookup; None
     # where the store has none.
     place: str | int | None = None
+    # "running", or "ended" once ``Store.end_attempt`` gave its slot back before its
+    # outcome was recorded: the state its record's compare-and-set expects.
+    state: str = "running"
 
 
 # Not frozen: a frozen dataclass's __init__ sets each field through
@@ -744,10 +748,17 @@ class Store(abc.ABC):
         read that lets a worker skip the claim lock while its pools are full."""
 
     @abc.abstractmethod
+    def end_attempt(self, tx: Tx, work: ClaimedWork) -> Callable[[], ClaimedWork | None]:
+        """running -> ended for ``work``'s attempt (CAS on attempt), with the COMMIT:
+        its slot is free for a claim in ``tx`` while its outcome waits to be recorded.
+        Answered after the COMMIT: ``work`` as its record must find it (state and
+        place), or None if the attempt was no longer running."""
+
+    @abc.abstractmethod
     def finish_many(
         self, tx: Tx, items: Sequence[Finishing], now: float, *, at_commit: bool = False
     ) -> None:
-        """running|completing|pending -> finished: delete the work row, insert the
+        """running|ended|completing|pending -> finished: delete the work row, insert the
         result. ``at_commit`` here and below: nothing in ``tx`` reads these rows
         again, so the store may send the writes with the COMMIT (``Tx.defer``)."""
 
@@ -761,8 +772,8 @@ class Store(abc.ABC):
         *,
         at_commit: bool = True,
     ) -> Callable[[], list[tuple[str, int]]]:
-        """running -> finished for (id, attempt, result JSON, pool, start lag, place)
-        without reading the rows first, each counted as a success with its start lag in
+        """running|ended -> finished for ``Succeeded`` items without reading the rows
+        first, each counted as a success with its start lag in
         ``worker_id``'s counters of the minute. The result gives the (id, attempt)
         pairs that were still running that attempt (the others are stale, and not
         counted). ``at_commit`` (the default): the statements wait for the COMMIT
@@ -772,11 +783,11 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def retry_many(self, tx: Tx, items: Sequence[Retrying], *, at_commit: bool = False) -> None:
-        """running -> pending at each item's due time (CAS on attempt)."""
+        """running|ended -> pending at each item's due time (CAS on state and attempt)."""
 
     @abc.abstractmethod
     def hand_many(self, tx: Tx, items: Sequence[Handing], *, at_commit: bool = False) -> None:
-        """running|pending|completing -> completing (CAS on state and attempt)."""
+        """running|ended|pending|completing -> completing (CAS on state and attempt)."""
 
     @abc.abstractmethod
     def load_many_for_update(self, tx: Tx, ids: Sequence[str]) -> dict[str, ActiveWork]:

@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
+from dataclasses import replace
 from typing import Any, ClassVar
 
 from workpool.core.errors import StoreError, StoreUnavailableError
@@ -65,6 +66,7 @@ class SqlStore(SqlReads, Store):
         " THEN (SELECT p.context FROM {s}payloads p WHERE p.id = w.id) ELSE w.context END",
     }
     skip_locked: ClassVar[str] = ""  # row lock that skips rows others hold
+    place: ClassVar[str] = "NULL"  # a row's ClaimedWork.place, as SQL over ``work``
     table_prefix: str = ""
     # How long ``run`` keeps retrying transient failures (busy file, restarting
     # server) before it reports the store unavailable.
@@ -537,6 +539,23 @@ class SqlStore(SqlReads, Store):
                 found[row[0]] = active_row(row)
         return found
 
+    def end_attempt(self, tx: Tx, work: ClaimedWork) -> Callable[[], ClaimedWork | None]:
+        ended = tx.defer(
+            self._sql(
+                "UPDATE {s}work SET state = 'ended' WHERE id = ? AND state = 'running'"
+                f" AND attempt = ? RETURNING {self.place}"
+            ),
+            (work.id, work.attempt),
+            rows=True,
+            role="end",
+        )
+
+        def answer() -> ClaimedWork | None:
+            rows = ended.rows
+            return replace(work, state="ended", place=rows[0][0]) if rows else None
+
+        return answer
+
     def retry_many(self, tx: Tx, items: Sequence[Retrying], *, at_commit: bool = False) -> None:
         if not items:
             return
@@ -545,9 +564,12 @@ class SqlStore(SqlReads, Store):
             self._sql(
                 "UPDATE {s}work SET state = 'pending', due_at = ?, last_error = ?,"
                 " worker_id = NULL, lost_count = lost_count + ?"
-                " WHERE id = ? AND state = 'running' AND attempt = ?"
+                " WHERE id = ? AND state = ? AND attempt = ?"
             ),
-            [(r.due_at, r.error, int(r.lost), r.work.id, r.work.attempt) for r in items],
+            [
+                (r.due_at, r.error, int(r.lost), r.work.id, r.work.state, r.work.attempt)
+                for r in items
+            ],
         )
 
     def hand_many(self, tx: Tx, items: Sequence[Handing], *, at_commit: bool = False) -> None:
@@ -582,7 +604,7 @@ class SqlStore(SqlReads, Store):
         marks = ", ".join("?" * len(pools))
         rows = self.q(
             tx,
-            f"SELECT {ACTIVE_COLUMNS} FROM {{s}}work w WHERE state = 'running'"
+            f"SELECT {ACTIVE_COLUMNS} FROM {{s}}work w WHERE state IN ('running', 'ended')"
             f" AND pool IN ({marks}) AND NOT EXISTS (SELECT 1 FROM {{s}}workers k"
             " WHERE k.id = w.worker_id AND k.expires_at > ?) LIMIT ?" + self.skip_locked,
             (*pools, now, limit),
@@ -594,7 +616,7 @@ class SqlStore(SqlReads, Store):
     ) -> tuple[bool, bool]:
         marks = ", ".join("?" * len(pools))
         lost_sql = (
-            "EXISTS (SELECT 1 FROM {s}work w WHERE state = 'running'"
+            "EXISTS (SELECT 1 FROM {s}work w WHERE state IN ('running', 'ended')"
             f" AND pool IN ({marks}) AND NOT EXISTS (SELECT 1 FROM {{s}}workers k"
             " WHERE k.id = w.worker_id AND k.expires_at > ?))"
         )
@@ -618,7 +640,8 @@ class SqlStore(SqlReads, Store):
         rows = self.q(
             tx,
             "SELECT id, attempt, started_at FROM {s}work WHERE pool IN"
-            f" ({', '.join('?' * len(names))}) AND state = 'running' AND worker_id = ?",
+            f" ({', '.join('?' * len(names))}) AND state IN ('running', 'ended')"
+            " AND worker_id = ?",
             (*names, worker_id),
         ).fetchall()
         return [(r[0], int(r[1]), float(r[2])) for r in rows]
@@ -626,22 +649,21 @@ class SqlStore(SqlReads, Store):
     def flag_cancel(self, tx: Tx, work: ActiveWork) -> bool:
         cur = self.q(
             tx,
-            "UPDATE {s}work SET cancel_requested = 1 WHERE id = ? AND state = 'running'"
-            " AND attempt = ?",
-            (work.id, work.attempt),
+            "UPDATE {s}work SET cancel_requested = 1 WHERE id = ? AND state = ? AND attempt = ?",
+            (work.id, work.state, work.attempt),
         )
         return bool(cur.rowcount == 1)
 
     def cancelable_ids(self, tx: Tx, pool: str, before: float, limit: int) -> list[str]:
-        # Running rows first, then pending ones in the order they would start. One
-        # range of the (pool, state, due_at, id) index each: canceled pending rows
-        # leave the range, flagged running ones are at most max_parallelism. Not one
+        # Running (and ended) rows first, then pending ones in the order they would
+        # start. Ranges of the (pool, state, due_at, id) index: canceled pending rows
+        # leave theirs, flagged running ones are at most max_parallelism. Not one
         # query over both states: with no statistics yet (a backlog enqueued in one
         # transaction), PostgreSQL read that IN with a bitmap scan of the whole
         # backlog for every page (cancel_all of 200k pending: 89 s instead of 15 s).
         ids = self.ids(
             tx,
-            "SELECT id FROM {s}work WHERE pool = ? AND state = 'running'"
+            "SELECT id FROM {s}work WHERE pool = ? AND state IN ('running', 'ended')"
             " AND cancel_requested = 0 AND enqueued_at <= ? LIMIT ?",
             (pool, before, limit),
         )

@@ -340,7 +340,7 @@ class SqlReads:
             " AND due_at <= ?),"
             " (SELECT count(*) FROM {s}work WHERE pool = ? AND state = 'pending'"
             " AND due_at > ?),"
-            " (SELECT count(*) FROM {s}work WHERE pool = ? AND state = 'completing'),"
+            " (SELECT count(*) FROM {s}work WHERE pool = ? AND state IN ('completing', 'ended')),"
             " (SELECT count(*) FROM {s}finished WHERE pool = ?)",
             (pool, pool, now, pool, now, pool, pool),
         ).fetchone()

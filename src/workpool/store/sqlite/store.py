@@ -104,6 +104,7 @@ def _use_wal(conn: sqlite3.Connection) -> None:
 class SqliteStore(SqlStore):
     look_before_claim = True
     combines_writes = True
+    place = "rowid"
 
     def __init__(self, path: str, *, synchronous: str = "NORMAL") -> None:
         super().__init__()
@@ -739,7 +740,7 @@ class SqliteStore(SqlStore):
         _FINISHED_COLUMNS + " SELECT w.id, w.pool, w.fn_name, w.kind, w.args, w.on_complete,"
         " 'success', json_extract(j.value, '$[2]'), w.attempt, w.enqueued_at, ?, w.last_error"
         " FROM json_each(?) j CROSS JOIN {s}work w ON w.id = json_extract(j.value, '$[0]')"
-        " WHERE w.state = 'running' AND w.attempt = json_extract(j.value, '$[1]')"
+        " WHERE w.state IN ('running', 'ended') AND w.attempt = json_extract(j.value, '$[1]')"
         " RETURNING id, attempts"
     )
     # The same where each claim left its row (its rowid, ClaimedWork.place), the id
@@ -760,8 +761,8 @@ class SqliteStore(SqlStore):
     _DELETE_AT = "DELETE FROM {s}work WHERE rowid IN (SELECT value FROM json_each(?))"
     _FINISH_ONE = (
         _FINISHED_COLUMNS + " SELECT id, pool, fn_name, kind, args, on_complete, 'success', ?,"
-        " attempt, enqueued_at, ?, last_error FROM {s}work WHERE id = ? AND state = 'running'"
-        " AND attempt = ? RETURNING id, attempts"
+        " attempt, enqueued_at, ?, last_error FROM {s}work WHERE id = ?"
+        " AND state IN ('running', 'ended') AND attempt = ? RETURNING id, attempts"
     )
 
     def finish_succeeded(
@@ -879,7 +880,7 @@ class SqliteStore(SqlStore):
                 rows = self.q(
                     tx,
                     f"SELECT id, attempt, pool, started_at, due_at FROM {{s}}work"
-                    f" WHERE id IN ({marks}) AND state = 'running'",
+                    f" WHERE id IN ({marks}) AND state IN ('running', 'ended')",
                     chunk,
                 ).fetchall()
                 rows = [r for r in rows if (r[0], r[1]) in wanted]
