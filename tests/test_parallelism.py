@@ -481,6 +481,78 @@ def test_a_worker_at_its_limit_hands_slots_over_without_waking_its_dispatcher(
     assert passes[0] < 20, f"{passes[0]} dispatcher passes for 40 hand-overs"
 
 
+def _count_hand_overs(monkeypatch) -> list[int]:
+    """[hand-overs that gave a slot on, all hand-overs] of every worker from now on."""
+    counts = [0, 0]
+    hand_over = Worker._hand_over
+
+    def counted(self: Worker, item: Any) -> Any:
+        kept = hand_over(self, item)
+        counts[0] += kept is not None
+        counts[1] += 1
+        return kept
+
+    monkeypatch.setattr(Worker, "_hand_over", counted)
+    return counts
+
+
+def test_slots_at_the_limit_go_on_before_the_records_and_the_limit_holds(
+    app, rec: Recorder, monkeypatch
+):
+    """Actions that end far apart (50 ms asleep, two slots): most slots go to the
+    next attempt before the ended one is recorded, never more than the limit run
+    at once, and every item finishes with its own result and on_complete once."""
+    counts = _count_hand_overs(monkeypatch)
+
+    @app.action(name="doze")
+    def doze(i: int) -> int:
+        rec.enter(i=i)
+        time.sleep(0.05)
+        rec.leave()
+        return i * 3
+
+    @app.mutation(name="noted")
+    def noted(tx, work_id, context, result):
+        rec.add(noted=context, value=result.return_value)
+
+    pool = app.pool("dozing", max_parallelism=2)
+    ids = [pool.enqueue_action(doze, {"i": i}, on_complete=noted, context=i) for i in range(30)]
+    run_until_idle(app, concurrency=2)
+
+    assert rec.max_active == 2
+    assert [s.result for s in pool.status_batch(ids)] == [
+        workpool.Success(i * 3) for i in range(30)
+    ]
+    assert sorted((c["noted"], c["value"]) for c in rec.calls if "noted" in c) == [
+        (i, i * 3) for i in range(30)
+    ]
+    assert counts[0] >= 15, f"{counts} hand-overs for 30 items"
+    stats = pool.stats()
+    assert (stats.running, stats.completing, stats.backlog) == (0, 0, 0)
+
+
+def test_actions_that_end_close_together_go_through_batched_records(
+    app, rec: Recorder, monkeypatch
+):
+    """A hand-over is a transaction per attempt: where actions end closer together
+    than two hand-overs take (no-ops at a limit of 4), their outcomes and the
+    claims for their slots go through the completer's batches instead."""
+    counts = _count_hand_overs(monkeypatch)
+
+    @app.action(name="blip")
+    def blip(i: int) -> None:
+        rec.enter(i=i)
+        rec.leave()
+
+    pool = app.pool("blips", max_parallelism=4)
+    pool.enqueue_action_batch(blip, [{"i": i} for i in range(400)])
+    run_until_idle(app, concurrency=4)
+
+    assert rec.max_active <= 4
+    assert sorted(rec.values("i")) == list(range(400))
+    assert counts[1] < 100, f"{counts[1]} hand-overs for 400 no-ops"
+
+
 def _labelled_app(url: str, label: str, rec: Recorder, seconds: float) -> Any:
     """An App whose action ``step`` notes which App's worker ran it."""
     labelled = workpool.App(url)
