@@ -359,6 +359,23 @@ def record_and_claim(store: Any, pool: str, work_id: str, result: str) -> tuple[
     return done, claimed, seen[-1]
 
 
+def end_and_claim(store: Any, work: Any, pool: str) -> tuple[Any, Any, Any]:
+    """One transaction, as a hand-over at a pool's limit: ``end_attempt`` of
+    ``work``, then a claim of 1 from ``pool``. Returns what the end answered (the
+    ended attempt, or None), the attempts the claim took, and the roles of the
+    statements left for the COMMIT."""
+    seen: list[Any] = []
+
+    def body(tx: Any) -> Any:
+        ended = store.end_attempt(tx, work)
+        claimed = store.claim_later(tx, pool, 1, "w1", time.time())
+        seen.append([d.role for d in tx.deferred])
+        return lambda: (ended(), claimed())
+
+    ended, claimed = store.run(body)()
+    return ended, claimed, seen[-1]
+
+
 def finished(pool: Any, wid: str) -> Any:
     """The status if it is Finished, else None (for wait_for)."""
     status = pool.status(wid)

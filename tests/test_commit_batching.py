@@ -16,7 +16,7 @@ import time
 import pytest
 
 import workpool
-from conftest import create_table, record_and_claim, run_until_idle
+from conftest import create_table, end_and_claim, record_and_claim, run_until_idle
 from workpool.core import histogram
 from workpool.core.decide import Succeeded
 from workpool.core.ids import new_work_ids
@@ -498,17 +498,6 @@ def test_a_worker_claims_at_most_its_stores_batch_in_a_transaction(app):
 # --- ended attempts: a slot given to the next attempt before the outcome is recorded ---------
 
 
-def _end_and_claim(store, work, pool: str):
-    """``end_attempt`` of ``work`` and a claim of 1 from ``pool``, in one transaction."""
-
-    def body(tx):
-        ended = store.end_attempt(tx, work)
-        claimed = store.claim_later(tx, pool, 1, "w1", time.time())
-        return lambda: (ended(), claimed())
-
-    return store.run(body)()
-
-
 @pytest.mark.parametrize("json_arrays", [True, False], ids=["json", "per-row"])
 def test_an_ended_attempt_frees_its_slot_and_is_recorded_as_a_running_one(app, json_arrays: bool):
     """``end_attempt`` and a claim in one transaction: the claim takes the slot the
@@ -524,7 +513,7 @@ def test_an_ended_attempt_frees_its_slot_and_is_recorded_as_a_running_one(app, j
     (work,) = store.run(lambda tx: store.claim(tx, "handed", 1, "w1", time.time()))
     assert store.run(lambda tx: store.claim(tx, "handed", 1, "w1", time.time())) == []
 
-    ended, claimed = _end_and_claim(store, work, "handed")
+    ended, claimed, _ = end_and_claim(store, work, "handed")
     assert ended is not None and (ended.id, ended.state) == (first, "ended")
     assert ended.place is not None
     assert [w.id for w in claimed] == [second], "the ended attempt's slot went to the next"
@@ -533,7 +522,7 @@ def test_an_ended_attempt_frees_its_slot_and_is_recorded_as_a_running_one(app, j
     assert (stats.running, stats.completing, stats.backlog) == (1, 1, 1)
     assert store.run(lambda tx: store.claim(tx, "handed", 1, "w1", time.time())) == []
 
-    again, claimed_again = _end_and_claim(store, work, "handed")
+    again, claimed_again, _ = end_and_claim(store, work, "handed")
     assert again is None, "an attempt ends once"
     assert claimed_again == [], "and a stale end frees no slot"
 
@@ -562,7 +551,7 @@ def test_an_ended_attempt_that_failed_is_retried_and_one_whose_worker_died_is_re
     store.run(lambda tx: store.insert_work(tx, retried))
     claimed = store.run(lambda tx: store.claim(tx, "ends", 2, "w1", time.time()))
     for work in claimed:
-        ended, _ = _end_and_claim(store, work, "ends")
+        ended, _, _ = end_and_claim(store, work, "ends")
         assert ended is not None
     failing, lost = sorted(claimed, key=lambda w: w.id)
 

@@ -14,6 +14,7 @@ import workpool
 from conftest import (
     background_worker,
     create_table,
+    end_and_claim,
     pg_schema_of,
     record_and_claim,
     run_until_idle,
@@ -831,20 +832,8 @@ def test_an_end_and_a_claim_are_one_call_of_the_end_claim_function(
     ids = pool.enqueue_action_batch(noop, [{}, {}, {}])
     store = pg_app.store
 
-    def end_and_claim(work: Any) -> tuple[Any, Any, list[Any]]:
-        roles: list[Any] = []
-
-        def body(tx: Any) -> Any:
-            ended = store.end_attempt(tx, work)
-            claimed = store.claim_later(tx, "handed", 1, "w1", time.time())
-            roles.append([d.role for d in tx.deferred])
-            return lambda: (ended(), claimed())
-
-        ended, claimed = store.run(body)()
-        return ended, claimed, roles[-1]
-
     (first,) = store.run(lambda tx: store.claim(tx, "handed", 1, "w1", time.time()))
-    ended, claimed, roles = end_and_claim(first)
+    ended, claimed, roles = end_and_claim(store, first, "handed")
     assert roles == ["end", "claim"]
     assert ended is not None and ended.state == "ended" and ended.place != first.place
     assert [w.id for w in claimed] == [ids[1]]
@@ -852,6 +841,6 @@ def test_an_end_and_a_claim_are_one_call_of_the_end_claim_function(
     with psycopg.connect(_conninfo(pg_url), autocommit=True) as conn:
         conn.execute(f"DROP FUNCTION {store._end_claim_function[0]}")
     with pytest.raises(psycopg.errors.UndefinedFunction):
-        end_and_claim(claimed[0])
+        end_and_claim(store, claimed[0], "handed")
     assert pool.status(ids[1]).state == "running", "the failed call changed nothing"
     assert pool.status(ids[2]).state == "pending"

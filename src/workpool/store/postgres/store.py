@@ -695,19 +695,11 @@ class PostgresStore(SqlStore):
             ("f_ids", "f_states", "f_attempts", "f_results", "f_places", "f_now", "f_worker")
         )
         finish = re.sub("%s", lambda _: next(names, "f_minute"), finish)
-        body = (
-            "(f_ids text, f_states text, f_attempts text, f_results text, f_places text,"
-            " f_now double precision, f_worker text, f_minute bigint, p_schema text,"
-            " p_pool text, p_limit integer, p_worker text, p_now double precision)"
-            f" RETURNS TABLE ({self._CLAIM_COLUMNS}) LANGUAGE plpgsql VOLATILE"
-            " SET plan_cache_mode = force_generic_plan AS $fn$"
-            " #variable_conflict use_column\nBEGIN"
-            f" RETURN QUERY {finish};"
-            f" RETURN QUERY SELECT * FROM {self._claim_function[0]}"
-            "(p_schema, p_pool, p_limit, p_worker, p_now); END $fn$"
+        params = (
+            "f_ids text, f_states text, f_attempts text, f_results text, f_places text,"
+            " f_now double precision, f_worker text, f_minute bigint"
         )
-        name = f"{self.table_prefix}record_claim_{hashlib.sha1(body.encode()).hexdigest()[:12]}"
-        return name, f"CREATE OR REPLACE FUNCTION {name} {body}"
+        return self._then_claim("record_claim", params, finish)
 
     @functools.cached_property
     def _record_claim_call(self) -> str:
@@ -724,21 +716,30 @@ class PostgresStore(SqlStore):
         transaction of its own. It returns the ended row (if it was still running),
         without a kind and with its new place, then the claimed ones; the claim's
         statement has its own snapshot, so it counts the slot the first freed."""
-        s = self.table_prefix
-        body = (
-            "(e_id text, e_attempt integer, p_schema text, p_pool text, p_limit integer,"
-            f" p_worker text, p_now double precision) RETURNS TABLE ({self._CLAIM_COLUMNS})"
-            " LANGUAGE plpgsql VOLATILE"
-            " SET plan_cache_mode = force_generic_plan AS $fn$"
-            " #variable_conflict use_column\nBEGIN"
-            f" RETURN QUERY WITH e AS (UPDATE {s}work SET state = 'ended' WHERE id = e_id"
+        end = (
+            f"WITH e AS (UPDATE {self.table_prefix}work SET state = 'ended' WHERE id = e_id"
             " AND state = 'running' AND attempt = e_attempt RETURNING id, attempt, ctid)"
             " SELECT id, NULL::text, NULL::text, attempt, NULL::float8, NULL::float8,"
-            " NULL::text, NULL::text, NULL::text, ctid::text FROM e;"
+            " NULL::text, NULL::text, NULL::text, ctid::text FROM e"
+        )
+        return self._then_claim("end_claim", "e_id text, e_attempt integer", end)
+
+    def _then_claim(self, kind: str, params: str, first: str) -> tuple[str, str]:
+        """The name and the definition of a server function that runs the query
+        ``first`` (over its parameters ``params``, SQL) and then the claim function,
+        returning the rows of both: one statement from the client and a transaction
+        of its own. Each statement of a volatile function has its own snapshot, so
+        the claim counts the slots ``first`` freed. As the claim function's, the name
+        carries a hash of the definition."""
+        body = (
+            f"({params}, p_schema text, p_pool text, p_limit integer, p_worker text,"
+            f" p_now double precision) RETURNS TABLE ({self._CLAIM_COLUMNS})"
+            " LANGUAGE plpgsql VOLATILE SET plan_cache_mode = force_generic_plan AS $fn$"
+            f" #variable_conflict use_column\nBEGIN RETURN QUERY {first};"
             f" RETURN QUERY SELECT * FROM {self._claim_function[0]}"
             "(p_schema, p_pool, p_limit, p_worker, p_now); END $fn$"
         )
-        name = f"{s}end_claim_{hashlib.sha1(body.encode()).hexdigest()[:12]}"
+        name = f"{self.table_prefix}{kind}_{hashlib.sha1(body.encode()).hexdigest()[:12]}"
         return name, f"CREATE OR REPLACE FUNCTION {name} {body}"
 
     @functools.cached_property
