@@ -71,8 +71,8 @@ HAND_DRY_S = 0.05
 # Hand-overs are a transaction each where records are one per batch: a worker hands
 # slots over only while its actions end at least this many hand-overs' time apart
 # (both smoothed), so that they take at most about half of one thread's time. At a
-# limit of 5 (20 ms actions) ends come 4-8 ms apart against hand-overs of 0.4-0.5
-# ms (SQLite) and 1-1.3 ms (PostgreSQL); at a limit of 50, 0.8 ms apart, where a
+# limit of 5 (20 ms actions) ends come 4-8 ms apart against hand-overs of 0.4-0.7
+# ms (SQLite) and 1-1.9 ms (PostgreSQL); at a limit of 50, 0.8 ms apart, where a
 # hand-over each cut the limit workload's share of the ideal 80 -> 42-61 % on
 # PostgreSQL and 81 -> 71-80 % on SQLite.
 HAND_BUDGET = 2.0
@@ -806,11 +806,13 @@ class Worker:
 
         The dispatcher is not woken: the completer claims for this slot when it
         records the outcome, and wakes it then. ``inline``: called on the thread
-        that ran a sync action. If the completer is idle, that thread records the
-        outcome itself and returns a sync action its claim took, to run next: two
-        thread wake-ups fewer between a job's end and the next one's start, which
-        is what a pool at its limit waits for. A busy completer gets the outcome
-        for its next batch (group commit), as before.
+        that ran a sync action. In a pool whose limit binds, that thread first gives
+        the slot to the next attempt (``_hand_over``) and returns the sync action it
+        claimed, to run next. Otherwise, if the completer is idle, it records the
+        outcome itself and returns a sync action its claim took: two thread
+        wake-ups fewer between a job's end and the next one's start, which is what
+        a pool at its limit waits for. A busy completer gets the outcome for its
+        next batch (group commit), as before.
         """
         key = (work.id, work.attempt)
         now = time.monotonic()

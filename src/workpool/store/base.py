@@ -801,7 +801,7 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def lost_work(self, tx: Tx, pools: Sequence[str], now: float, limit: int) -> list[ActiveWork]:
-        """Running work whose worker's lease expired, locked (others skip it)."""
+        """Running (or ended) work whose worker's lease expired, locked (others skip it)."""
 
     @abc.abstractmethod
     def work_info(self, tx: Tx, work_id: str) -> WorkInfo | None:
@@ -829,12 +829,14 @@ class Store(abc.ABC):
     def running_of(
         self, tx: Tx, worker_id: str, pools: Sequence[str]
     ) -> list[tuple[str, int, float]]:
-        """(id, attempt, started_at) of every running attempt of ``pools`` claimed by
-        ``worker_id``: the pools let it read the running rows only, not the backlog."""
+        """(id, attempt, started_at) of every running (or ended) attempt of ``pools``
+        claimed by ``worker_id``: the pools let it read those rows only, not the
+        backlog."""
 
     @abc.abstractmethod
     def flag_cancel(self, tx: Tx, work: ActiveWork) -> bool:
-        """Mark running work canceled: it finishes, but is not retried (CAS on attempt)."""
+        """Mark running (or ended) work canceled: it finishes, but is not retried (CAS
+        on state and attempt)."""
 
     @abc.abstractmethod
     def cancelable_ids(self, tx: Tx, pool: str, before: float, limit: int) -> list[str]: ...
