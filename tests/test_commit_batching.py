@@ -517,6 +517,7 @@ def test_an_ended_attempt_frees_its_slot_and_is_recorded_as_a_running_one(app, j
     assert ended is not None and (ended.id, ended.state) == (first, "ended")
     assert ended.place is not None
     assert [w.id for w in claimed] == [second], "the ended attempt's slot went to the next"
+    assert claimed[0].place is not None, "a claim of one says where it left its row"
     assert isinstance(pool.status(first), workpool.Running)
     stats = pool.stats()
     assert (stats.running, stats.completing, stats.backlog) == (1, 1, 1)

@@ -360,10 +360,10 @@ class Worker:
     def _claimable(self, tx: Tx) -> bool:
         return self.store.claimable(tx, self.options.pools, self.clock())
 
-    def _reserve(self) -> int:
-        """Hold every free local slot for one claim; how many."""
+    def _reserve(self, most: int | None = None) -> int:
+        """Hold every free local slot (at most ``most``) for one claim; how many."""
         with self._lock:
-            return self._reserve_locked()
+            return self._reserve_locked(most)
 
     def _reserve_locked(self, most: int | None = None) -> int:
         free = max(self.options.concurrency - len(self._inflight) - self._reserved, 0)
@@ -872,7 +872,7 @@ class Worker:
         """
         work = item[0]
         kept = None
-        free = self._reserve_one()
+        free = self._reserve(1)
         started = time.monotonic()
         try:
             if free > 0:
@@ -896,10 +896,6 @@ class Worker:
             self._unreserve(free)
         self._outcomes.put(item)
         return kept
-
-    def _reserve_one(self) -> int:
-        with self._lock:
-            return self._reserve_locked(1)
 
     def _end_in(
         self, tx: Tx, *, work: ClaimedWork, free: int
