@@ -420,6 +420,15 @@ def _schema_in_url_oracle(url: str) -> Allowed:
     return frozenset({OK if SCHEMA_RULE.fullmatch(schema) else VE})
 
 
+def _mmap_in_url_oracle(url: str) -> Allowed:
+    """A SQLite URL's memory map size must be a whole number of bytes (absent: the
+    default); other parameters may still be refused."""
+    size = dict(parse_qsl(urlsplit(url).query)).get("mmap_size")
+    if size is None or (size.isascii() and size.isdigit()):
+        return frozenset({OK, VE})
+    return frozenset({VE})
+
+
 URLS = st.one_of(
     tagged(JUNK.filter(lambda v: v is not None), _url_oracle),
     tagged(TEXT, _url_oracle),
@@ -430,6 +439,12 @@ URLS = st.one_of(
     TEXT.map(lambda s: (f"{PG_BASE}?schema={s}", _schema_in_url_oracle(f"{PG_BASE}?schema={s}"))),
     TEXT.map(lambda s: (f"{PG_BASE}?pool_size={s}", frozenset({OK, VE}))),
     TEXT.map(lambda s: (f"sqlite:////tmp/never-created.db?synchronous={s}", frozenset({OK, VE}))),
+    TEXT.map(
+        lambda s: (
+            f"sqlite:////tmp/never-created.db?mmap_size={s}",
+            _mmap_in_url_oracle(f"sqlite:////tmp/never-created.db?mmap_size={s}"),
+        )
+    ),
 )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import sqlite3
 import time
 import uuid
 
@@ -16,6 +17,9 @@ import pytest
 import workpool
 from conftest import Recorder, assert_pool_empty, background_worker, run_until_idle, wait_for
 from workpool import RetryBehavior
+from workpool.store import open_store
+from workpool.store.sqlite import SqliteStore
+from workpool.store.sqlite.store import MMAP_BYTES
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -464,6 +468,29 @@ def test_bad_store_urls(tmp_path):
         workpool.App("mysql://localhost/db")
     with pytest.raises(TypeError):
         workpool.App(42)  # type: ignore[arg-type]
+
+
+def test_sqlite_reads_through_a_memory_map_unless_the_url_says_not(tmp_path):
+    """SQLite reads the file through a map of MMAP_BYTES (as far as this build of
+    SQLite allows), ``?mmap_size=`` sets it, 0 turns it off; a bad size is refused
+    before any file is made."""
+    plain = sqlite3.connect(tmp_path / "plain.db")
+    allowed = plain.execute(f"PRAGMA mmap_size={MMAP_BYTES}").fetchone()[0]
+    plain.close()
+    for query, expected in [("", allowed), ("?mmap_size=0", 0), ("?mmap_size=65536", 65536)]:
+        store = open_store(f"sqlite:///{tmp_path}/m{len(query)}.db{query}")
+        try:
+            assert store._connection().execute("PRAGMA mmap_size").fetchone()[0] == expected
+        finally:
+            store.close()
+    for bad in ("-1", "1.5", "lots", "1e9", "\u00b2"):
+        with pytest.raises(ValueError, match="mmap_size"):
+            workpool.App(f"sqlite:///{tmp_path}/bad.db?mmap_size={bad}")
+    with pytest.raises(ValueError, match="mmap_size"):
+        SqliteStore(str(tmp_path / "bad.db"), mmap_size=-1)
+    with pytest.raises(ValueError, match="mmap_size"):
+        SqliteStore(str(tmp_path / "bad.db"), mmap_size=True)
+    assert not (tmp_path / "bad.db").exists()
 
 
 def test_app_reads_the_url_from_the_environment(monkeypatch, tmp_path):

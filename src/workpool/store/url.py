@@ -15,6 +15,7 @@ def open_store(url: object, *, schema: str | None = None) -> Store:
     query = dict(parse_qsl(parts.query))
     if parts.scheme == "sqlite":
         from workpool.store.sqlite import SqliteStore
+        from workpool.store.sqlite.store import MMAP_BYTES
 
         # sqlite:///relative.db -> "relative.db"; sqlite:////abs/path.db -> "/abs/path.db"
         path = url[len("sqlite://") :].split("?", 1)[0]
@@ -23,7 +24,14 @@ def open_store(url: object, *, schema: str | None = None) -> Store:
                 f"SQLite URL {url!r} has no file path; use sqlite:///relative.db"
                 " or sqlite:////absolute/path.db"
             )
-        return SqliteStore(path[1:], synchronous=query.get("synchronous", "NORMAL"))
+        mmap_size = query.get("mmap_size", str(MMAP_BYTES))
+        if not (mmap_size.isascii() and mmap_size.isdigit()):
+            raise InvalidArgumentError(
+                f"mmap_size={mmap_size!r} in {url!r} must be a whole number of bytes, 0 or more"
+            )
+        return SqliteStore(
+            path[1:], synchronous=query.get("synchronous", "NORMAL"), mmap_size=int(mmap_size)
+        )
     if parts.scheme in ("postgresql", "postgres") or parts.scheme.startswith("postgresql+"):
         from workpool.store.postgres import PostgresStore
 

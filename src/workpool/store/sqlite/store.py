@@ -58,6 +58,15 @@ LOCK_WAIT_MAX_S = 0.002
 # on their maintenance thread instead (``checkpoint``); this is the backstop for a
 # store no worker serves, at 10 times SQLite's default (40 MB of WAL).
 WAL_BACKSTOP_PAGES = 10_000
+# Reads of the database file go through a memory map of up to this many bytes
+# (``?mmap_size=`` in the URL; 0 turns it off): a page that is not in a
+# connection's own cache is read from the OS's page cache without a read() call
+# and a copy. Each connection's cache starts cold whenever another one has
+# committed, so a big backlog is read that way at every claim: with 1,000,000
+# pending, claims 45-54k -> 61-66k jobs/s (three alternated pairs); with 10,000
+# and in the drains, level. The map is of the file and shared: it costs address
+# space, not memory. Writes still go to the WAL.
+MMAP_BYTES = 256 * 1024 * 1024
 # The work table's columns that _work_columns makes, but args and context: the id
 # first.
 _WORK_COLUMNS = (0, 1, 2, 3, 5, 7, 8, 9, 10)
@@ -127,10 +136,17 @@ class SqliteStore(SqlStore):
         self._at_commit(tx, end)
         return lambda: replace(work, state="ended") if done == [1] else None
 
-    def __init__(self, path: str, *, synchronous: str = "NORMAL") -> None:
+    def __init__(
+        self, path: str, *, synchronous: str = "NORMAL", mmap_size: int = MMAP_BYTES
+    ) -> None:
         super().__init__()
         if synchronous.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
             raise InvalidArgumentError(f"synchronous={synchronous!r} is not a SQLite setting")
+        if type(mmap_size) is not int or mmap_size < 0:
+            raise InvalidArgumentError(
+                f"mmap_size={mmap_size!r} must be a whole number of bytes, 0 or more"
+            )
+        self.mmap_size = mmap_size
         self.path = path
         self.url = f"sqlite:///{path}"
         self.synchronous = synchronous.upper()
@@ -163,6 +179,7 @@ class SqliteStore(SqlStore):
             _use_wal(conn)
             conn.execute(f"PRAGMA synchronous={self.synchronous}")
             conn.execute(f"PRAGMA wal_autocheckpoint={WAL_BACKSTOP_PAGES}")
+            conn.execute(f"PRAGMA mmap_size={self.mmap_size}")
         except sqlite3.Error as exc:
             raise StoreUnavailableError(f"cannot open {self.url}: {exc}") from exc
         with self._lock:
