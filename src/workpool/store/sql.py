@@ -26,7 +26,14 @@ from workpool.store.base import (
     WorkerInfo,
     WouldWait,
 )
-from workpool.store.sql_reads import ACTIVE_COLUMNS, IN_CHUNK, SqlReads, active_row, storable
+from workpool.store.sql_reads import (
+    ACTIVE_COLUMNS,
+    IN_CHUNK,
+    RECORDABLE_IN,
+    SqlReads,
+    active_row,
+    storable,
+)
 
 NEXT_DUE_CHUNK = 100  # pools per next_due statement: two terms each, SQLite allows 500
 
@@ -604,7 +611,7 @@ class SqlStore(SqlReads, Store):
         marks = ", ".join("?" * len(pools))
         rows = self.q(
             tx,
-            f"SELECT {ACTIVE_COLUMNS} FROM {{s}}work w WHERE state IN ('running', 'ended')"
+            f"SELECT {ACTIVE_COLUMNS} FROM {{s}}work w WHERE state {RECORDABLE_IN}"
             f" AND pool IN ({marks}) AND NOT EXISTS (SELECT 1 FROM {{s}}workers k"
             " WHERE k.id = w.worker_id AND k.expires_at > ?) LIMIT ?" + self.skip_locked,
             (*pools, now, limit),
@@ -616,7 +623,7 @@ class SqlStore(SqlReads, Store):
     ) -> tuple[bool, bool]:
         marks = ", ".join("?" * len(pools))
         lost_sql = (
-            "EXISTS (SELECT 1 FROM {s}work w WHERE state IN ('running', 'ended')"
+            f"EXISTS (SELECT 1 FROM {{s}}work w WHERE state {RECORDABLE_IN}"
             f" AND pool IN ({marks}) AND NOT EXISTS (SELECT 1 FROM {{s}}workers k"
             " WHERE k.id = w.worker_id AND k.expires_at > ?))"
         )
@@ -640,7 +647,7 @@ class SqlStore(SqlReads, Store):
         rows = self.q(
             tx,
             "SELECT id, attempt, started_at FROM {s}work WHERE pool IN"
-            f" ({', '.join('?' * len(names))}) AND state IN ('running', 'ended')"
+            f" ({', '.join('?' * len(names))}) AND state {RECORDABLE_IN}"
             " AND worker_id = ?",
             (*names, worker_id),
         ).fetchall()
@@ -663,7 +670,7 @@ class SqlStore(SqlReads, Store):
         # backlog for every page (cancel_all of 200k pending: 89 s instead of 15 s).
         ids = self.ids(
             tx,
-            "SELECT id FROM {s}work WHERE pool = ? AND state IN ('running', 'ended')"
+            f"SELECT id FROM {{s}}work WHERE pool = ? AND state {RECORDABLE_IN}"
             " AND cancel_requested = 0 AND enqueued_at <= ? LIMIT ?",
             (pool, before, limit),
         )

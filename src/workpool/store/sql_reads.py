@@ -9,9 +9,13 @@ from typing import Any, ClassVar
 from workpool.core import histogram
 from workpool.core.results import WorkInfo, result_from_json
 from workpool.core.retry import RetryBehavior
+from workpool.core.states import RECORDABLE
 from workpool.store.base import ActiveWork, Counters, FinishedRow, PoolCounts, StatusRow, Tx
 
 IN_CHUNK = 500  # ids per IN (...) list: well under SQLite's variable limit
+# Rows whose attempt's outcome may still be recorded (``RECORDABLE``: running, or
+# ended), as the condition on their state: ``f"state {RECORDABLE_IN}"``.
+RECORDABLE_IN = "IN (" + ", ".join(f"'{state.value}'" for state in sorted(RECORDABLE)) + ")"
 # Of ``{s}work w``. {context_w}, {args_w} and {args_f} (of ``{s}finished f``) are
 # where the store keeps a row's payload: see SqlStore.PAYLOAD_SQL.
 ACTIVE_COLUMNS = (

@@ -30,7 +30,7 @@ from workpool.store.base import (
     minute_of,
 )
 from workpool.store.sql import SqlStore, check_schema
-from workpool.store.sql_reads import IN_CHUNK, storable
+from workpool.store.sql_reads import IN_CHUNK, RECORDABLE_IN, storable
 from workpool.store.sqlite.migrations import MIGRATIONS
 from workpool.store.sqlite.wal_bell import WalBell
 
@@ -780,7 +780,7 @@ class SqliteStore(SqlStore):
         _FINISHED_COLUMNS + " SELECT w.id, w.pool, w.fn_name, w.kind, w.args, w.on_complete,"
         " 'success', json_extract(j.value, '$[2]'), w.attempt, w.enqueued_at, ?, w.last_error"
         " FROM json_each(?) j CROSS JOIN {s}work w ON w.id = json_extract(j.value, '$[0]')"
-        " WHERE w.state IN ('running', 'ended') AND w.attempt = json_extract(j.value, '$[1]')"
+        f" WHERE w.state {RECORDABLE_IN} AND w.attempt = json_extract(j.value, '$[1]')"
         " RETURNING id, attempts"
     )
     # The same where each claim left its row (its rowid, ClaimedWork.place), the id
@@ -802,7 +802,7 @@ class SqliteStore(SqlStore):
     _FINISH_ONE = (
         _FINISHED_COLUMNS + " SELECT id, pool, fn_name, kind, args, on_complete, 'success', ?,"
         " attempt, enqueued_at, ?, last_error FROM {s}work WHERE id = ?"
-        " AND state IN ('running', 'ended') AND attempt = ? RETURNING id, attempts"
+        f" AND state {RECORDABLE_IN} AND attempt = ? RETURNING id, attempts"
     )
 
     def finish_succeeded(
@@ -920,7 +920,7 @@ class SqliteStore(SqlStore):
                 rows = self.q(
                     tx,
                     f"SELECT id, attempt, pool, started_at, due_at FROM {{s}}work"
-                    f" WHERE id IN ({marks}) AND state IN ('running', 'ended')",
+                    f" WHERE id IN ({marks}) AND state {RECORDABLE_IN}",
                     chunk,
                 ).fetchall()
                 rows = [r for r in rows if (r[0], r[1]) in wanted]
