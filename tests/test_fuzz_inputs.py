@@ -429,6 +429,21 @@ def _mmap_in_url_oracle(url: str) -> Allowed:
     return frozenset({VE})
 
 
+def _pg_options_oracle(url: str) -> Allowed:
+    """A PostgreSQL URL's pool_size must be a whole number from 1, its
+    prepare_threshold one from 0 or "none" (absent: the defaults); other parameters
+    may still be refused."""
+    query = dict(parse_qsl(urlsplit(url).query))
+    size, threshold = query.get("pool_size"), query.get("prepare_threshold")
+    if size is not None and not (size.isascii() and size.isdigit() and int(size) > 0):
+        return frozenset({VE})
+    if threshold is not None and not (
+        threshold.lower() == "none" or (threshold.isascii() and threshold.isdigit())
+    ):
+        return frozenset({VE})
+    return frozenset({OK, VE})
+
+
 URLS = st.one_of(
     tagged(JUNK.filter(lambda v: v is not None), _url_oracle),
     tagged(TEXT, _url_oracle),
@@ -437,7 +452,15 @@ URLS = st.one_of(
     ),
     # a schema in the URL must be a plain identifier
     TEXT.map(lambda s: (f"{PG_BASE}?schema={s}", _schema_in_url_oracle(f"{PG_BASE}?schema={s}"))),
-    TEXT.map(lambda s: (f"{PG_BASE}?pool_size={s}", frozenset({OK, VE}))),
+    TEXT.map(
+        lambda s: (f"{PG_BASE}?pool_size={s}", _pg_options_oracle(f"{PG_BASE}?pool_size={s}"))
+    ),
+    TEXT.map(
+        lambda s: (
+            f"{PG_BASE}?prepare_threshold={s}",
+            _pg_options_oracle(f"{PG_BASE}?prepare_threshold={s}"),
+        )
+    ),
     TEXT.map(lambda s: (f"sqlite:////tmp/never-created.db?synchronous={s}", frozenset({OK, VE}))),
     TEXT.map(
         lambda s: (
@@ -452,7 +475,8 @@ URLS = st.one_of(
 @given(url=URLS)
 @example(url=(f"{PG_BASE}?schema=a%0A", frozenset({VE})))
 @example(url=(f"{PG_BASE}?schema=x';DROP", frozenset({VE})))
-@example(url=(f"{PG_BASE}?pool_size=-1", frozenset({OK, VE})))
+@example(url=(f"{PG_BASE}?pool_size=-1", frozenset({VE})))
+@example(url=(f"{PG_BASE}?prepare_threshold=none", frozenset({OK})))
 def test_app_urls(url: tuple[Any, Allowed]) -> None:
     """App(url) accepts or refuses cleanly; it connects to nothing doing so."""
     value, expected = url

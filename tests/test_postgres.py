@@ -198,6 +198,30 @@ def test_schema_names_are_validated(pg_url: str) -> None:
         workpool.App("postgresql://postgres@127.0.0.1/test", schema='x"; DROP TABLE y; --')
 
 
+def _prepared_after_statuses(url: str) -> int:
+    """How many statements the one connection of an App on ``url`` has prepared on
+    the server after 8 enqueues and 8 status reads of the same shape."""
+    app = workpool.App(url)
+    try:
+        app.action(name="f")(lambda: None)
+        pool = app.pool("prepared")
+        for wid in [pool.enqueue_action("f", {}, run_after=60) for _ in range(8)]:
+            assert isinstance(pool.status(wid), workpool.Pending)
+        with app.transaction() as tx:
+            return int(tx.execute("SELECT count(*) FROM pg_prepared_statements").fetchone()[0])
+    finally:
+        app.close()
+
+
+def test_prepare_threshold_none_leaves_no_statement_prepared_on_the_server(pg_url: str) -> None:
+    """psycopg prepares a statement at its 6th run on a connection; behind a
+    PgBouncer in transaction mode the next transaction may find another server
+    connection, where that name is unknown. ``?prepare_threshold=none`` turns it off."""
+    sep = "&" if "?" in pg_url else "?"
+    assert _prepared_after_statuses(f"{pg_url}{sep}pool_size=1") > 0
+    assert _prepared_after_statuses(f"{pg_url}{sep}pool_size=1&prepare_threshold=none") == 0
+
+
 def _deadlocks(pg_url: str) -> int:
     with psycopg.connect(_conninfo(pg_url), autocommit=True) as conn:
         row = conn.execute(

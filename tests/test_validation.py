@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sqlite3
 import time
 import uuid
+from urllib.parse import quote
 
 import pytest
 
@@ -493,6 +495,26 @@ def test_sqlite_reads_through_a_memory_map_unless_the_url_says_not(tmp_path):
     assert not (tmp_path / "bad.db").exists()
 
 
+def test_bad_postgres_pool_options_are_refused_before_connecting():
+    """``pool_size`` and ``prepare_threshold`` in a PostgreSQL URL are checked at
+    ``App(...)``, naming the value; the address connects nowhere, so an accepted
+    URL shows no connection is tried either."""
+    base = "postgresql://nobody@127.0.0.1:1/nodb"
+    for bad in ("0", "-1", "1.5", "lots", "\u00b2", " 5"):
+        with pytest.raises(ValueError, match=re.escape(f"pool_size={bad!r}")):
+            workpool.App(f"{base}?pool_size={quote(bad)}")
+    for bad in ("-1", "1.5", "never", "\u00b2", "NULL"):
+        with pytest.raises(ValueError, match=re.escape(f"prepare_threshold={bad!r}")):
+            workpool.App(f"{base}?prepare_threshold={quote(bad)}")
+    for good in (
+        "pool_size=1",
+        "prepare_threshold=0",
+        "prepare_threshold=None",
+        "prepare_threshold=9",
+    ):
+        workpool.App(f"{base}?{good}").close()
+
+
 def test_app_reads_the_url_from_the_environment(monkeypatch, tmp_path):
     path = tmp_path / "env.db"
     monkeypatch.setenv("WORKPOOL_DATABASE_URL", f"sqlite:///{path}")
@@ -561,7 +583,6 @@ def test_errors_share_one_root():
 
 # --- property: any string is either a valid pool name or a clean ValueError -----------------
 
-import re  # noqa: E402
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402

@@ -72,7 +72,7 @@ STATS_MIN_PAGES = 8
 VACUUM_DEAD_ROWS = 60_000
 
 SCHEMA_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
-OUR_PARAMS = ("schema", "pool_size")
+OUR_PARAMS = ("schema", "pool_size", "prepare_threshold")
 DEFAULT_POOL_SIZE = 20
 CONNECT_TIMEOUT_S = 10.0  # waiting for a pooled connection before "unavailable"
 TRANSIENT = (
@@ -170,6 +170,28 @@ def split_url(url: str) -> tuple[str, dict[str, str]]:
     return urlunsplit((scheme, parts.netloc, parts.path, urlencode(theirs), "")), ours
 
 
+def _connect_kwargs(ours: dict[str, str], url: str) -> dict[str, Any]:
+    """psycopg's connection options for every connection of the store: autocommit,
+    and ``prepare_threshold`` when the URL sets it. psycopg prepares a statement on
+    the server after that many runs on a connection (its default, 5); "none" never
+    does. Behind a pooler in transaction mode that does not track prepared
+    statements, the next transaction may run on another server connection, where
+    the prepared name is unknown."""
+    kwargs: dict[str, Any] = {"autocommit": True}
+    threshold = ours.get("prepare_threshold")
+    if threshold is None:
+        return kwargs
+    if threshold.lower() == "none":
+        kwargs["prepare_threshold"] = None
+    elif threshold.isascii() and threshold.isdigit():
+        kwargs["prepare_threshold"] = int(threshold)
+    else:
+        raise InvalidArgumentError(
+            f"prepare_threshold={threshold!r} in {url!r} must be a whole number, 0 or more, or none"
+        )
+    return kwargs
+
+
 class PipelineCursor(psycopg.Cursor[Any]):
     """A cursor whose ``rowcount``, ``statusmessage`` and ``description`` are right
     inside a pipeline too.
@@ -222,10 +244,13 @@ class PostgresStore(SqlStore):
         self.schema = schema
         self.table_prefix = f'"{schema}".'
         self.channel = f"workpool_{schema}"[:63]
-        try:
-            self.pool_size = int(ours.get("pool_size", DEFAULT_POOL_SIZE))
-        except ValueError:
-            raise InvalidArgumentError(f"pool_size in {url!r} must be an int") from None
+        pool_size = ours.get("pool_size", str(DEFAULT_POOL_SIZE))
+        if not (pool_size.isascii() and pool_size.isdigit() and int(pool_size) > 0):
+            raise InvalidArgumentError(
+                f"pool_size={pool_size!r} in {url!r} must be a whole number, 1 or more"
+            )
+        self.pool_size = int(pool_size)
+        self._connect_kwargs = _connect_kwargs(ours, url)
         self._conn_pool: psycopg_pool.ConnectionPool | None = None
         self._insert_sql: dict[tuple[str, bool, str, tuple[str | None, ...]], str] = {}
         self._conn_pool_lock = threading.Lock()
@@ -242,9 +267,9 @@ class PostgresStore(SqlStore):
         self._async_generation = 0
         weakref.finalize(self, _finish_all, self._idle_async)
         self._async_connect: dict[str, Any] = (
-            {}
+            dict(self._connect_kwargs)
             if "connect_timeout" in conninfo_to_dict(self.conninfo)
-            else {"connect_timeout": int(CONNECT_TIMEOUT_S)}
+            else {**self._connect_kwargs, "connect_timeout": int(CONNECT_TIMEOUT_S)}
         )
 
     # --- connections --------------------------------------------------------------------
@@ -256,7 +281,7 @@ class PostgresStore(SqlStore):
                         self.conninfo,
                         min_size=1,
                         max_size=self.pool_size,
-                        kwargs={"autocommit": True, "cursor_factory": PipelineCursor},
+                        kwargs={**self._connect_kwargs, "cursor_factory": PipelineCursor},
                         timeout=CONNECT_TIMEOUT_S,
                         open=True,
                         name=f"workpool-{self.schema}",
@@ -397,9 +422,7 @@ class PostgresStore(SqlStore):
         conn, generation = self._take_async()
         if conn is None:
             try:
-                conn = await psycopg.AsyncConnection.connect(
-                    self.conninfo, autocommit=True, **self._async_connect
-                )
+                conn = await psycopg.AsyncConnection.connect(self.conninfo, **self._async_connect)
             except BaseException as exc:
                 self._drop_async(None)
                 if isinstance(exc, psycopg.InterfaceError):
