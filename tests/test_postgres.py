@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import uuid
 from typing import Any
 
 import psycopg
@@ -220,6 +221,30 @@ def test_prepare_threshold_none_leaves_no_statement_prepared_on_the_server(pg_ur
     sep = "&" if "?" in pg_url else "?"
     assert _prepared_after_statuses(f"{pg_url}{sep}pool_size=1") > 0
     assert _prepared_after_statuses(f"{pg_url}{sep}pool_size=1&prepare_threshold=none") == 0
+
+
+def test_a_client_making_one_call_at_a_time_keeps_one_connection(pg_url: str) -> None:
+    """The pool's first connection is waited for before the first call takes it: a
+    call that waited for it in the pool made the pool open a second connection,
+    and a client making one call at a time then spread its calls over two server
+    processes, each parsing and planning its first statements anew."""
+    name = f"workpool-one-{uuid.uuid4().hex[:12]}"
+    sep = "&" if "?" in pg_url else "?"
+    app = workpool.App(f"{pg_url}{sep}application_name={name}")
+    try:
+        app.action(name="f")(lambda: None)
+        pool = app.pool("one")
+        ids = [pool.enqueue_action("f", {}, run_after=60) for _ in range(5)]
+        assert all(isinstance(s, workpool.Pending) for s in pool.status_batch(ids))
+        for wid in ids:
+            pool.status(wid)
+        with psycopg.connect(_conninfo(pg_url), autocommit=True) as conn:
+            (count,) = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", (name,)
+            ).fetchone()
+        assert count == 1
+    finally:
+        app.close()
 
 
 def _deadlocks(pg_url: str) -> int:

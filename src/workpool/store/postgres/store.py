@@ -277,15 +277,21 @@ class PostgresStore(SqlStore):
         if self._conn_pool is None:
             with self._conn_pool_lock:
                 if self._conn_pool is None:
-                    self._conn_pool = psycopg_pool.ConnectionPool(
+                    pool = psycopg_pool.ConnectionPool(
                         self.conninfo,
                         min_size=1,
                         max_size=self.pool_size,
                         kwargs={**self._connect_kwargs, "cursor_factory": PipelineCursor},
                         timeout=CONNECT_TIMEOUT_S,
-                        open=True,
+                        open=False,
                         name=f"workpool-{self.schema}",
                     )
+                    # The first connection is waited for here, not in getconn(): a
+                    # request that waits there makes the pool open a second one, which
+                    # a client making one call at a time never needs. (On a timeout
+                    # the pool is closed and the next call makes a new one.)
+                    pool.open(wait=True, timeout=CONNECT_TIMEOUT_S)
+                    self._conn_pool = pool
         return self._conn_pool
 
     def _live_connection(self) -> psycopg.Connection[Any]:
