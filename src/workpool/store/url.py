@@ -8,6 +8,17 @@ from workpool.core.errors import InvalidArgumentError, InvalidTypeError
 from workpool.store.base import Store
 
 
+def whole_number(url: str, name: str, text: str, low: int, *, other: str = "") -> int:
+    """The value of URL option ``name``: ASCII digits only (``int()`` would take
+    " 5", "+5" or "1_0"), at least ``low``; else a clear error naming it and what
+    else it may be (``other``)."""
+    if not (text.isascii() and text.isdigit() and int(text) >= low):
+        raise InvalidArgumentError(
+            f"{name}={text!r} in {url!r} must be a whole number, {low} or more{other}"
+        )
+    return int(text)
+
+
 def open_store(url: object, *, schema: str | None = None) -> Store:
     if not isinstance(url, str):
         raise InvalidTypeError(f"the database URL must be a str, got {type(url).__name__}")
@@ -24,13 +35,9 @@ def open_store(url: object, *, schema: str | None = None) -> Store:
                 f"SQLite URL {url!r} has no file path; use sqlite:///relative.db"
                 " or sqlite:////absolute/path.db"
             )
-        mmap_size = query.get("mmap_size", str(MMAP_BYTES))
-        if not (mmap_size.isascii() and mmap_size.isdigit()):
-            raise InvalidArgumentError(
-                f"mmap_size={mmap_size!r} in {url!r} must be a whole number of bytes, 0 or more"
-            )
+        mmap_size = whole_number(url, "mmap_size", query.get("mmap_size", str(MMAP_BYTES)), 0)
         return SqliteStore(
-            path[1:], synchronous=query.get("synchronous", "NORMAL"), mmap_size=int(mmap_size)
+            path[1:], synchronous=query.get("synchronous", "NORMAL"), mmap_size=mmap_size
         )
     if parts.scheme in ("postgresql", "postgres") or parts.scheme.startswith("postgresql+"):
         from workpool.store.postgres import PostgresStore

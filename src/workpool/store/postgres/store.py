@@ -42,6 +42,7 @@ from workpool.store.fds import InputWait, readable
 from workpool.store.postgres.migrations import MIGRATIONS
 from workpool.store.sql import SqlStore, check_schema
 from workpool.store.sql_reads import ACTIVE_COLUMNS, active_row, storable
+from workpool.store.url import whole_number
 
 # A claim reads at most this many bytes of args (and always one row). A worker that
 # took every due row of a pool of big payloads would read and decode them all on
@@ -183,11 +184,9 @@ def _connect_kwargs(ours: dict[str, str], url: str) -> dict[str, Any]:
         return kwargs
     if threshold.lower() == "none":
         kwargs["prepare_threshold"] = None
-    elif threshold.isascii() and threshold.isdigit():
-        kwargs["prepare_threshold"] = int(threshold)
     else:
-        raise InvalidArgumentError(
-            f"prepare_threshold={threshold!r} in {url!r} must be a whole number, 0 or more, or none"
+        kwargs["prepare_threshold"] = whole_number(
+            url, "prepare_threshold", threshold, 0, other=", or none"
         )
     return kwargs
 
@@ -244,12 +243,9 @@ class PostgresStore(SqlStore):
         self.schema = schema
         self.table_prefix = f'"{schema}".'
         self.channel = f"workpool_{schema}"[:63]
-        pool_size = ours.get("pool_size", str(DEFAULT_POOL_SIZE))
-        if not (pool_size.isascii() and pool_size.isdigit() and int(pool_size) > 0):
-            raise InvalidArgumentError(
-                f"pool_size={pool_size!r} in {url!r} must be a whole number, 1 or more"
-            )
-        self.pool_size = int(pool_size)
+        self.pool_size = whole_number(
+            url, "pool_size", ours.get("pool_size", str(DEFAULT_POOL_SIZE)), 1
+        )
         self._connect_kwargs = _connect_kwargs(ours, url)
         self._conn_pool: psycopg_pool.ConnectionPool | None = None
         self._insert_sql: dict[tuple[str, bool, str, tuple[str | None, ...]], str] = {}
