@@ -441,9 +441,16 @@ def check(out: Path) -> dict[str, Any]:
     lost_alive = []
     lost_by_kill = 0
     orphan_claims = 0
+    ran_orphans = []  # requeued as never started, yet a run of that attempt began
     for (work_id, attempt), event in lost.items():
         if event.get("never_ran"):
             orphan_claims += 1
+            began = [e for e in starts.get(work_id, []) if e["a"] == attempt]
+            if began:
+                ran_orphans.append(
+                    f"{work_id} attempt {attempt}: run began {began[0]['s']:.3f},"
+                    f" requeued {event.get('_t', float('nan')):.3f} by {event.get('worker_id')}"
+                )
             continue
         pid = worker_pid.get(str(event.get("worker_id")))
         if pid is None or pid not in killed:
@@ -472,6 +479,8 @@ def check(out: Path) -> dict[str, Any]:
         "max": stat(reruns, max),
         "median": stat(reruns, statistics.median),
     }
+    if ran_orphans:
+        report.fail("attempts requeued as never started that had started", ran_orphans)
     if lost_alive:
         report.notes.append(
             f"{len(lost_alive)} attempts were rescued from workers that were not killed"

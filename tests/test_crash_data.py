@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -24,6 +25,7 @@ from conftest import (
     pg_schema_of,
     ph,
     run_until_idle,
+    store_kind,
     wait_for,
 )
 from workpool import RetryBehavior
@@ -223,6 +225,107 @@ def test_a_live_workers_claim_it_never_heard_of_is_adopted_and_runs_once(app):
         wait_for(lambda: pool.status(wid).state == "finished", timeout=20)
     assert pool.status(wid) == workpool.Finished(workpool.Success("ran"))
     assert len(runs) == 1, runs
+
+
+@pytest.mark.parametrize("lost", ["retried", "given_up"])
+def test_an_action_whose_hand_over_lost_its_commit_reply_is_recorded_and_runs_once(
+    app, store_url, monkeypatch, lost
+):
+    """A hand-over (the attempt ended and the next one claimed, in one transaction)
+    whose COMMIT went through while its reply was lost: the worker cannot tell that
+    the row is ended. Its record must find out, not miss the row: an ended row that
+    nobody records was given back by the orphan check as a claim that never ran,
+    and an action promised one attempt ran twice (found by the chaos run).
+
+    ``retried``: the store retries the transaction, whose end then finds the row
+    not running; ``given_up``: the hand-over fails and the outcome goes on alone."""
+    import sqlite3
+
+    import psycopg
+
+    from workpool.runtime.worker import Worker
+
+    runs: list[int] = []
+    handled: list[object] = []
+
+    @app.action(name="once")
+    def once() -> str:
+        runs.append(workpool.current().attempt)
+        time.sleep(0.1)  # the dispatcher's claim has let its slot go: a slot to hand on
+        return "ran"
+
+    @app.mutation(name="handled")
+    def on_done(tx, work_id, context, result):
+        handled.append(result)
+
+    error: Exception = (
+        sqlite3.OperationalError("database is locked")
+        if store_kind(store_url) == "sqlite"
+        else psycopg.OperationalError("server closed the connection unexpectedly")
+    )
+    if lost == "given_up":
+        error = RuntimeError("the reply of the COMMIT was lost")
+    end_in = Worker._end_in
+    replies_lost: list[str] = []
+
+    def end_in_losing_the_reply(self: Worker, tx: workpool.Tx, *, work: Any, free: int) -> Any:
+        if not replies_lost:
+            # The first try's COMMIT: the row is ended for good, and its reply lost.
+            # (On another thread: this one's transaction would take the end in.)
+            ended: list[object] = []
+            store = self.store
+            end = threading.Thread(
+                target=lambda: ended.append(store.run(lambda t: store.end_attempt(t, work))())
+            )
+            end.start()
+            end.join()
+            replies_lost.append(f"{work.id} ended: {ended[0] is not None}")
+            raise error
+        return end_in(self, tx, work=work, free=free)
+
+    monkeypatch.setattr(Worker, "_hands_over", lambda self, work: work.fn_name == "once")
+    monkeypatch.setattr(Worker, "_end_in", end_in_losing_the_reply)
+    pool = app.pool("handing", max_parallelism=1)
+    wid = pool.enqueue_action(once, retry=False, on_complete=on_done)
+    with background_worker(app, concurrency=1):
+        final = wait_for(lambda: (s := pool.status(wid)).state == "finished" and s, timeout=20)
+    assert replies_lost == [f"{wid} ended: True"]
+    assert final == workpool.Finished(workpool.Success("ran"))
+    assert runs == [1], f"attempts that ran: {runs}"
+    assert handled == [workpool.Success("ran")]
+    assert (pool.stats().succeeded, pool.stats().failed) == (1, 0)
+
+
+def test_an_ended_attempt_its_live_worker_lost_is_a_failed_attempt_not_an_orphan(app):
+    """A row ended (its action returned and gave its slot on) under a live worker that
+    no longer knows it: the attempt ran and its outcome is lost. The orphan check
+    must count it as a failed attempt, as a rescuer would if the worker had died;
+    giving it back as a claim that never ran would run it again beyond its retry
+    policy (here: once)."""
+    from workpool.store.base import ClaimedWork
+
+    runs: list[int] = []
+
+    @app.action(name="once")
+    def once() -> str:
+        runs.append(workpool.current().attempt)
+        return "ran"
+
+    pool = app.pool("lost_outcomes")
+    with background_worker(app, lease=30.0):
+        worker = wait_for(lambda: next(iter(app._workers), None), timeout=10)
+        wid = pool.enqueue_action(once, retry=False, run_after=3600)
+        past = time.time() - 60
+        store = app.store
+        with app.transaction() as tx:  # claimed long ago by that worker, then ended
+            tx.execute(store._sql("UPDATE {s}work SET due_at = ? WHERE id = ?"), (past, wid))
+            [claimed] = store.claim(tx, "lost_outcomes", 1, worker.info.id, past)
+        assert isinstance(claimed, ClaimedWork) and claimed.id == wid
+        assert store.run(lambda tx: store.end_attempt(tx, claimed))() is not None
+        final = wait_for(lambda: (s := pool.status(wid)).state == "finished" and s, timeout=20)
+    assert final.result.kind == "failed", final
+    assert "lost" in str(final.result.error), final
+    assert runs == [], f"an attempt that ran was run again: {runs}"
 
 
 def test_work_longer_than_the_lease_is_not_rescued_while_its_worker_lives(app, rec):

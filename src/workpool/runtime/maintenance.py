@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from workpool.core.errors import describe_error
+from workpool.core.states import WorkState
 from workpool.observability import events
 from workpool.observability.stats import pool_stats
 from workpool.runtime.completion import Changes
@@ -233,10 +234,16 @@ class Maintenance:
         def body(tx: Tx) -> int:
             changes = Changes()
             known_now = worker.inflight_keys()
+            if worker.force.is_set():
+                return 0  # outcomes dropped by a forced stop: the lease's rescuer's to judge
             count = 0
             for work in self.store.load_many_for_update(tx, orphans).values():
                 if work.worker_id == worker.info.id and (work.id, work.attempt) not in known_now:
-                    count += worker.completion.rescue(tx, work, now, changes, never_ran=True)
+                    # An ended attempt ran (its action returned) and its outcome is
+                    # lost: a failed attempt, as if its worker had died; only a row
+                    # still running is a claim that never started.
+                    never_ran = work.state == WorkState.RUNNING
+                    count += worker.completion.rescue(tx, work, now, changes, never_ran=never_ran)
             changes.flush(self.store, tx, worker.info.id, now)
             return count
 

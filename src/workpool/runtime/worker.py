@@ -25,7 +25,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from types import FrameType
 from typing import Any, cast
@@ -39,7 +39,16 @@ from workpool.runtime.context import reset_current, set_current
 from workpool.runtime.executor import Executor
 from workpool.runtime.maintenance import Maintenance
 from workpool.runtime.registry import FnSpec, Registry
-from workpool.store.base import ActiveWork, ClaimedWork, PoolConfig, Store, Tx, Watcher, WorkerInfo
+from workpool.store.base import (
+    UNSURE,
+    ActiveWork,
+    ClaimedWork,
+    PoolConfig,
+    Store,
+    Tx,
+    Watcher,
+    WorkerInfo,
+)
 
 _PAUSED = PoolConfig("", max_parallelism=0)
 IDLE_POLL_S = 1.0  # longest sleep without a wake-up: covers missed notifications
@@ -881,14 +890,18 @@ class Worker:
                 # the estimate by at most a fifth.
                 took = min(time.monotonic() - started, 2 * self._hand_time)
                 self._hand_time += HAND_EWMA * (took - self._hand_time)
-                if ended is not None:
-                    item = (ended, item[1], item[2])
+                # None: the row was not running, which a retry after a COMMIT whose
+                # reply was lost also finds: the record reads which it is.
+                item = (ended or replace(work, state=UNSURE), item[1], item[2])
                 if not claimed:
                     self._dry_hands[work.pool] = time.monotonic() + HAND_DRY_S
                 kept = self._start_all(claimed, keep=True)
         except Exception as exc:
-            # Not ended, or (an ambiguous COMMIT) ended without our knowing: the record
-            # then finds the row stale, and the orphan check gives the attempt back.
+            # Not ended, or (a COMMIT whose reply was lost) ended without our knowing.
+            # Recorded as "running", a row that was ended would be missed by the
+            # record's compare-and-set and later given back by the orphan check as a
+            # claim that never ran: an action that ran would run again.
+            item = (replace(work, state=UNSURE), item[1], item[2])
             events.worker_event(
                 "hand_over_failed", 30, worker_id=self.info.id, error=describe_error(exc)
             )
@@ -1108,6 +1121,7 @@ class Worker:
                 type(outcome) is Succeeded
                 and work.kind == "action"
                 and (optimistic or work.on_complete is None)
+                and work.state != UNSURE
             ):
                 simple.append((work, outcome, duration))
             else:

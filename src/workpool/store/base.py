@@ -293,6 +293,11 @@ class NewBatch(Sequence[NewWork]):
         )
 
 
+# ClaimedWork.state of an attempt whose hand-over (``end_attempt`` and a claim) may
+# have committed or not: a COMMIT whose reply was lost with its connection.
+UNSURE = "unsure"
+
+
 # Not frozen: one is built per claimed attempt, and a frozen dataclass's __init__
 # costs 2.5 us more (object.__setattr__ per field). Treat it as read-only.
 @dataclass(slots=True)
@@ -317,7 +322,8 @@ class ClaimedWork:
     # where the store has none.
     place: str | int | None = None
     # "running", or "ended" once ``Store.end_attempt`` gave its slot back before its
-    # outcome was recorded: the state its record's compare-and-set expects.
+    # outcome was recorded: the state its record's compare-and-set expects. UNSURE
+    # when a hand-over cannot tell which: its record reads the row to find out.
     state: str = "running"
 
 
