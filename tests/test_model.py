@@ -669,11 +669,20 @@ class WorkModel(RuleBasedStateMachine):
         )
         assert (lost, due) == (
             any(self.expires[i.worker or GHOST] <= now for i in self.of_state("running", "ended")),
-            any(i.due_at <= now for i in self.of_state("completing")),
+            min((i.due_at for i in self.of_state("completing") if i.due_at <= now), default=None),
         )
+        # Asked up to a later time: the earliest handler retry due by then.
+        within = 1.5
         assert self.store.run(
-            lambda tx: self.store.maintenance_due(tx, [POOL], now, lost=False), readonly=True
-        ) == (False, due)
+            lambda tx: self.store.maintenance_due(tx, [POOL], now, lost=False, within=within),
+            readonly=True,
+        ) == (
+            False,
+            min(
+                (i.due_at for i in self.of_state("completing") if i.due_at <= now + within),
+                default=None,
+            ),
+        )
         if what in ("tick", "rescue"):
             self.rescue()
         if what in ("tick", "handlers"):

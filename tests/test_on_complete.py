@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -776,3 +777,54 @@ def test_handlers_that_each_insert_one_row_commit_once_and_a_bad_row_fails_alone
             (ids[17],),
         ).fetchone()[0]
     assert failures == 1
+
+
+def test_a_quiet_worker_looks_for_handler_retries_less_often_yet_runs_them_on_time(
+    app, monkeypatch
+):
+    """A worker with nothing happening in its pools looked for handler retries ten
+    times a second (on PostgreSQL, a round trip each: most of an idle worker's CPU).
+    Quiet, it looks every HANDLERS_QUIET_S, and a retry due before its next look is
+    known from the last one and retried when due. A handler that fails once is
+    retried after its backoff, and the handler of a pending item canceled while the
+    worker is quiet runs."""
+    from workpool.runtime.maintenance import HANDLERS_QUIET_S, QUIET_S
+
+    store = app.store
+    looks: list[float] = []
+    due = store.maintenance_due
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        looks.append(time.monotonic())
+        return due(*args, **kwargs)
+
+    monkeypatch.setattr(store, "maintenance_due", counted)
+    handled: list[str] = []
+    failures = [1]
+
+    @app.action(name="quick")
+    def quick() -> str:
+        return "ok"
+
+    @app.mutation(name="flaky_handler")
+    def flaky_handler(tx, work_id, context, result):
+        if failures[0]:
+            failures[0] -= 1
+            raise RuntimeError("the handler fails once")
+        handled.append(result.kind)
+
+    pool = app.pool("quiet")
+    with background_worker(app, lease=15.0):  # heartbeats (SQLite: commits) 5 s apart
+        time.sleep(QUIET_S + 0.5)
+        looks.clear()
+        time.sleep(2.0)
+        quiet_looks = len(looks)
+        wid = pool.enqueue_action(quick, on_complete=flaky_handler)
+        wait_for(lambda: pool.status(wid).state == "finished", timeout=10)
+        time.sleep(QUIET_S + 0.5)  # quiet again
+        later = pool.enqueue_action(quick, run_after=3600, on_complete=flaky_handler)
+        assert pool.cancel(later)
+        wait_for(lambda: pool.status(later).state == "finished", timeout=10)
+    assert quiet_looks <= 2.0 / HANDLERS_QUIET_S + 1, f"{quiet_looks} looks in 2 s of quiet"
+    assert handled == ["success", "canceled"]
+    assert pool.status(wid) == workpool.Finished(workpool.Success("ok"))

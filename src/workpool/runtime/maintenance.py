@@ -25,6 +25,14 @@ RESCUE_EVERY_S = 0.5
 ORPHANS_EVERY_S = 2.0
 ORPHAN_AGE_S = 2.0  # a claim this old that the worker does not know of is orphaned
 HANDLERS_EVERY_S = 0.1
+# A quiet worker (no change of its pools seen, nothing started, for QUIET_S) looks for
+# handler retries only this often, and when the last look said one is due by then:
+# whatever makes one due sooner (a record whose handler failed, a cancel) notifies
+# its pool, which stirs the workers. Its upkeep reads slow down too. An idle worker
+# on PostgreSQL made some 17 round trips a second, ten of them this look.
+QUIET_S = 1.0
+HANDLERS_QUIET_S = 0.5
+UPKEEP_QUIET_S = 1.0
 REPORT_EVERY_S = 60.0
 # A report counts the pool's rows, which costs the database about half a second of
 # CPU at a million pending rows: a worker starting on a big backlog claims first.
@@ -84,6 +92,8 @@ class Maintenance:
             "peers": 0.0,
         }
         self._report_from = worker.clock() + REPORT_FIRST_S
+        self._handlers_read = 0.0  # when handler retries were last looked for
+        self._handlers_at = 0.0  # when the earliest one is due, as that look saw it
 
     def stop(self) -> None:
         self._stop.set()
@@ -126,21 +136,29 @@ class Maintenance:
         pools = [p for p in self.worker.served() if p in self.worker.configs]
         if not pools:
             return
+        quiet = time.monotonic() - self.worker.stirred_at >= QUIET_S
         rescue = self._due("rescue", now, RESCUE_EVERY_S) and self._settled(now)
-        handlers = self._due("handlers", now, HANDLERS_EVERY_S)
+        every = HANDLERS_QUIET_S if quiet else HANDLERS_EVERY_S
+        handlers = now - self._handlers_read >= every or now >= self._handlers_at
         if rescue or handlers:
             # A read first: the write transactions (on SQLite, the write lock) are
             # taken only when there is something to rescue or retry. It asks about
             # lost work, which means reading every running row, only when a rescue is
-            # due: handler retries are looked for five times as often.
-            lost, due = self.store.run(
-                lambda tx: self.store.maintenance_due(tx, pools, now, lost=rescue),
+            # due: handler retries are looked for five times as often while the worker
+            # is stirred. They are asked for up to a quiet worker's next look, so one
+            # due before it is looked for again when due, on time.
+            lost, due_at = self.store.run(
+                lambda tx: self.store.maintenance_due(
+                    tx, pools, now, lost=rescue, within=HANDLERS_QUIET_S
+                ),
                 readonly=True,
                 snapshot=False,
             )
+            self._handlers_read = now
+            self._handlers_at = float("inf") if due_at is None else due_at
             if rescue and lost:
                 self.rescue(pools, now)
-            if handlers and due:
+            if due_at is not None and due_at <= now:
                 self.retry_handlers(pools, now)
         if self._due("orphans", now, ORPHANS_EVERY_S):
             self.adopt_orphans(now)
@@ -161,7 +179,7 @@ class Maintenance:
                 lambda tx: store.take_turn(tx, "", "tidy", now, TIDY_EVERY_S)
             ):
                 store.tidy()
-        if self._due("upkeep", now, UPKEEP_EVERY_S):
+        if self._due("upkeep", now, UPKEEP_QUIET_S if quiet else UPKEEP_EVERY_S):
             need = store.upkeep()
             if need.vacuum and store.run(
                 lambda tx: store.take_turn(tx, "", "tidy", now, TIDY_CHURN_EVERY_S)

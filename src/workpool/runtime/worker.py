@@ -142,6 +142,10 @@ class Worker:
         self._completer_idle = False  # the completer waits for outcomes, none queued
         self._reserved = 0  # local slots held by a claim in progress (dispatcher, recorder)
         self._dry = False  # the dispatcher's last claim found nothing
+        # When the store last showed this worker a change of its pools (a commit or a
+        # notification, seen by the watcher) or it started work (monotonic): the
+        # maintenance loop looks for handler retries less often while nothing happens.
+        self.stirred_at = time.monotonic()
         self._configs_due = 0.0  # when a claim reads the configs again (monotonic)
         self._parked = False  # the dispatcher sleeps the idle poll until the completer wakes it
         # Set while it is not parked: only then do the watcher's wake-ups matter.
@@ -394,7 +398,7 @@ class Worker:
         """
         if not claimed:
             return None
-        now = time.monotonic()
+        now = self.stirred_at = time.monotonic()
         with self._lock:
             for work in claimed:
                 deadline = None if work.timeout is None else now + work.timeout
@@ -573,6 +577,7 @@ class Worker:
                     continue
                 # A watcher that blocks on a socket waits long: stop() interrupts it.
                 if watcher.wait(SHORT_POLL_S if watcher.polls else IDLE_POLL_S):
+                    self.stirred_at = time.monotonic()
                     self.wake.set()
             except Exception as exc:
                 events.worker_event("watch_failed", 30, error=describe_error(exc))

@@ -823,12 +823,13 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def maintenance_due(
-        self, tx: Tx, pools: Sequence[str], now: float, *, lost: bool = True
-    ) -> tuple[bool, bool]:
-        """(any lost work, any handler retry due) in ``pools``: a read, no locks.
+        self, tx: Tx, pools: Sequence[str], now: float, *, lost: bool = True, within: float = 0.0
+    ) -> tuple[bool, float | None]:
+        """(any lost work, when the earliest handler retry due by ``now + within``
+        is due, or None) in ``pools``: a read, no locks.
 
         ``lost=False`` skips the first question (answered False): it reads every
-        running row, while the second reads only due handler retries.
+        running row, while the second reads only the handler retries due by then.
         """
 
     @abc.abstractmethod

@@ -619,8 +619,8 @@ class SqlStore(SqlReads, Store):
         return [active_row(r) for r in rows]
 
     def maintenance_due(
-        self, tx: Tx, pools: Sequence[str], now: float, *, lost: bool = True
-    ) -> tuple[bool, bool]:
+        self, tx: Tx, pools: Sequence[str], now: float, *, lost: bool = True, within: float = 0.0
+    ) -> tuple[bool, float | None]:
         marks = ", ".join("?" * len(pools))
         lost_sql = (
             f"EXISTS (SELECT 1 FROM {{s}}work w WHERE state {RECORDABLE_IN}"
@@ -630,11 +630,11 @@ class SqlStore(SqlReads, Store):
         row = self.q(
             tx,
             f"SELECT {lost_sql if lost else '0'},"
-            " EXISTS (SELECT 1 FROM {s}work WHERE state = 'completing' AND due_at <= ?"
+            " (SELECT min(due_at) FROM {s}work WHERE state = 'completing' AND due_at <= ?"
             f" AND pool IN ({marks}))",
-            (*pools, now, now, *pools) if lost else (now, *pools),
+            (*pools, now, now + within, *pools) if lost else (now + within, *pools),
         ).fetchone()
-        return bool(row[0]), bool(row[1])
+        return bool(row[0]), None if row[1] is None else float(row[1])
 
     def running_of(
         self, tx: Tx, worker_id: str, pools: Sequence[str]
