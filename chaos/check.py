@@ -441,12 +441,14 @@ def check(out: Path) -> dict[str, Any]:
     lost_alive = []
     lost_by_kill = 0
     orphan_claims = 0
-    ran_orphans = []  # requeued as never started, yet a run of that attempt began
+    # Actions requeued as never started, yet a run of that attempt began. (A mutation
+    # may: its run is taken back with its transaction when that does not commit.)
+    ran_orphans = []
     for (work_id, attempt), event in lost.items():
         if event.get("never_ran"):
             orphan_claims += 1
             began = [e for e in starts.get(work_id, []) if e["a"] == attempt]
-            if began:
+            if began and event.get("fn_name") in ("act", "act_async"):
                 ran_orphans.append(
                     f"{work_id} attempt {attempt}: run began {began[0]['s']:.3f},"
                     f" requeued {event.get('_t', float('nan')):.3f} by {event.get('worker_id')}"
