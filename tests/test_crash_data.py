@@ -201,10 +201,8 @@ def test_stale_completion_of_an_old_attempt_changes_nothing(app, store_url, rec,
     assert pool.stats().succeeded == 1
 
 
-def test_a_live_workers_claim_it_never_heard_of_is_adopted_and_runs_once(app):
-    """A claim that committed while its reply was lost leaves a row running under a live
-    worker that does not know it: no lease will ever expire. The worker finds its own
-    orphan and puts it back, without counting a failed attempt, and it runs once."""
+def attempts_counted(app: Any) -> tuple[list[int], Any]:
+    """An action "once" returning "ran", and the attempts of it that ran, in order."""
     runs: list[int] = []
 
     @app.action(name="once")
@@ -212,15 +210,30 @@ def test_a_live_workers_claim_it_never_heard_of_is_adopted_and_runs_once(app):
         runs.append(workpool.current().attempt)
         return "ran"
 
+    return runs, once
+
+
+def claimed_long_ago(app: Any, pool: str, wid: str, worker_id: str) -> list[Any]:
+    """``wid`` made due and claimed by ``worker_id`` a minute ago, in a transaction of
+    the test's: what a claim whose COMMIT's reply was lost leaves to that worker."""
+    store = app.store
+    past = time.time() - 60
+    with app.transaction() as tx:
+        tx.execute(store._sql("UPDATE {s}work SET due_at = ? WHERE id = ?"), (past, wid))
+        claimed: list[Any] = store.claim(tx, pool, 1, worker_id, past)
+    return claimed
+
+
+def test_a_live_workers_claim_it_never_heard_of_is_adopted_and_runs_once(app):
+    """A claim that committed while its reply was lost leaves a row running under a live
+    worker that does not know it: no lease will ever expire. The worker finds its own
+    orphan and puts it back, without counting a failed attempt, and it runs once."""
+    runs, once = attempts_counted(app)
     pool = app.pool("orphans")
     with background_worker(app, lease=30.0):
         worker = wait_for(lambda: next(iter(app._workers), None), timeout=10)
         wid = pool.enqueue_action(once, run_after=3600)  # not claimable by the worker
-        past = time.time() - 60
-        store = app.store
-        with app.transaction() as tx:  # the lost claim: due long ago, claimed by that worker
-            tx.execute(store._sql("UPDATE {s}work SET due_at = ? WHERE id = ?"), (past, wid))
-            claimed = store.claim(tx, "orphans", 1, worker.info.id, past)
+        claimed = claimed_long_ago(app, "orphans", wid, worker.info.id)  # the lost claim
         assert [c.id for c in claimed] == [wid]
         wait_for(lambda: pool.status(wid).state == "finished", timeout=20)
     assert pool.status(wid) == workpool.Finished(workpool.Success("ran"))
@@ -304,23 +317,14 @@ def test_an_ended_attempt_its_live_worker_lost_is_a_failed_attempt_not_an_orphan
     policy (here: once)."""
     from workpool.store.base import ClaimedWork
 
-    runs: list[int] = []
-
-    @app.action(name="once")
-    def once() -> str:
-        runs.append(workpool.current().attempt)
-        return "ran"
-
+    runs, once = attempts_counted(app)
     pool = app.pool("lost_outcomes")
     with background_worker(app, lease=30.0):
         worker = wait_for(lambda: next(iter(app._workers), None), timeout=10)
         wid = pool.enqueue_action(once, retry=False, run_after=3600)
-        past = time.time() - 60
-        store = app.store
-        with app.transaction() as tx:  # claimed long ago by that worker, then ended
-            tx.execute(store._sql("UPDATE {s}work SET due_at = ? WHERE id = ?"), (past, wid))
-            [claimed] = store.claim(tx, "lost_outcomes", 1, worker.info.id, past)
+        [claimed] = claimed_long_ago(app, "lost_outcomes", wid, worker.info.id)
         assert isinstance(claimed, ClaimedWork) and claimed.id == wid
+        store = app.store
         assert store.run(lambda tx: store.end_attempt(tx, claimed))() is not None
         final = wait_for(lambda: (s := pool.status(wid)).state == "finished" and s, timeout=20)
     assert final.result.kind == "failed", final
