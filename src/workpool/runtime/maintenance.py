@@ -29,7 +29,7 @@ HANDLERS_EVERY_S = 0.1
 # handler retries only this often, and when the last look said one is due by then:
 # whatever makes one due sooner (a record whose handler failed, a cancel) notifies
 # its pool, which stirs the workers. Its upkeep reads slow down too. An idle worker
-# on PostgreSQL made some 17 round trips a second, ten of them this look.
+# on PostgreSQL sent 21 statements a second, ten of them this look; now 11.
 QUIET_S = 1.0
 HANDLERS_QUIET_S = 0.5
 UPKEEP_QUIET_S = 1.0
