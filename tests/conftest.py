@@ -205,6 +205,19 @@ def store_kind(url: str) -> str:
     return "sqlite" if url.startswith("sqlite") else "postgres"
 
 
+def transient_error(url: str) -> Exception:
+    """An error the store at ``url`` retries a transaction after (``is_transient``),
+    as a COMMIT whose reply was lost raises it: a lock on SQLite, a dropped
+    connection on PostgreSQL."""
+    import sqlite3
+
+    import psycopg
+
+    if store_kind(url) == "sqlite":
+        return sqlite3.OperationalError("database is locked")
+    return psycopg.OperationalError("server closed the connection unexpectedly")
+
+
 def pg_schema_of(url: str) -> str | None:
     return dict(parse_qsl(urlsplit(url).query)).get("schema")
 

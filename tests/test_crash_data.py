@@ -25,7 +25,7 @@ from conftest import (
     pg_schema_of,
     ph,
     run_until_idle,
-    store_kind,
+    transient_error,
     wait_for,
 )
 from workpool import RetryBehavior
@@ -252,10 +252,6 @@ def test_an_action_whose_hand_over_lost_its_commit_reply_is_recorded_and_runs_on
 
     ``retried``: the store retries the transaction, whose end then finds the row
     not running; ``given_up``: the hand-over fails and the outcome goes on alone."""
-    import sqlite3
-
-    import psycopg
-
     from workpool.runtime.worker import Worker
 
     runs: list[int] = []
@@ -271,11 +267,7 @@ def test_an_action_whose_hand_over_lost_its_commit_reply_is_recorded_and_runs_on
     def on_done(tx, work_id, context, result):
         handled.append(result)
 
-    error: Exception = (
-        sqlite3.OperationalError("database is locked")
-        if store_kind(store_url) == "sqlite"
-        else psycopg.OperationalError("server closed the connection unexpectedly")
-    )
+    error: Exception = transient_error(store_url)
     if lost == "given_up":
         error = RuntimeError("the reply of the COMMIT was lost")
     end_in = Worker._end_in

@@ -28,6 +28,7 @@ from conftest import (
     pg_schema_of,
     run_until_idle,
     store_kind,
+    transient_error,
     wait_for,
 )
 
@@ -315,10 +316,6 @@ def test_an_enqueue_retried_after_an_ambiguous_commit_writes_each_item_once(app,
     """A retry of an enqueue whose COMMIT was lost with its connection must neither fail
     on the ids the first try may have committed nor write them twice (PostgreSQL's
     first try inserts without a conflict check: only ``Tx.retrying`` adds it)."""
-    import sqlite3
-
-    import psycopg
-
     from workpool.core.ids import new_work_ids
     from workpool.store.base import NewWork
 
@@ -332,11 +329,7 @@ def test_an_enqueue_retried_after_an_ambiguous_commit_writes_each_item_once(app,
         for k, i in enumerate(new_work_ids(5))
     ]
     store.run(lambda tx: store.insert_work(tx, items[:3]))  # the try whose COMMIT was lost
-    lost: Exception = (
-        sqlite3.OperationalError("database is locked")
-        if store_url.startswith("sqlite")
-        else psycopg.OperationalError("server closed the connection unexpectedly")
-    )
+    lost = transient_error(store_url)
     tries: list[bool] = []
 
     def enqueue(tx: workpool.Tx) -> None:

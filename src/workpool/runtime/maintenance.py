@@ -81,7 +81,6 @@ class Maintenance:
             "heartbeat": 0.0,
             "rescue": 0.0,
             "orphans": 0.0,
-            "handlers": 0.0,
             "duties": 0.0,
             "forget": 0.0,
             # Not at start: a worker starting on a big backlog would otherwise begin
