@@ -39,6 +39,34 @@ def test_tasks_that_block_each_get_a_thread_up_to_the_limit():
         executor.shutdown()
 
 
+def test_tasks_submitted_together_that_block_each_get_a_thread():
+    """``submitting`` finds the threads for a batch at its end, with one request to
+    the spawner for all the tasks that found none idle: each still gets its own."""
+    executor = Executor(8)
+    gate = threading.Event()
+    barrier = threading.Barrier(8, timeout=10)
+    passed = []
+
+    def task() -> None:
+        barrier.wait()
+        passed.append(1)
+        gate.wait(10)
+
+    try:
+        executor.warm(2)  # some tasks find an idle thread, the rest ask the spawner
+        with executor.submitting() as submit:
+            for _ in range(8):
+                submit(task)
+        deadline = time.monotonic() + 10
+        while len(passed) < 8 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert len(passed) == 8
+        assert executor.threads() == 8
+    finally:
+        gate.set()
+        executor.shutdown()
+
+
 def test_no_more_threads_than_the_limit_and_waiting_tasks_run_later():
     executor = Executor(3)
     gate = threading.Event()
@@ -115,6 +143,40 @@ def test_a_refused_thread_start_is_tried_again(monkeypatch):
         executor.shutdown()
 
 
+def test_a_refused_thread_start_in_a_batch_is_tried_again_for_the_rest(monkeypatch):
+    refusals = [RuntimeError("can't start new thread")]
+    real_start = threading.Thread.start
+
+    def refusing_start(self: threading.Thread) -> None:
+        if "-exec-" in self.name and refusals and self.name.endswith("-1"):
+            raise refusals.pop()
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", refusing_start)
+    executor = Executor(3)
+    gate = threading.Event()
+    barrier = threading.Barrier(3, timeout=10)
+    passed = []
+
+    def task() -> None:
+        barrier.wait()
+        passed.append(1)
+        gate.wait(10)
+
+    try:
+        with executor.submitting() as submit:
+            for _ in range(3):
+                submit(task)
+        deadline = time.monotonic() + 10
+        while len(passed) < 3 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert refusals == []
+        assert len(passed) == 3, "a task behind the refused start got no thread"
+    finally:
+        gate.set()
+        executor.shutdown()
+
+
 @pytest.mark.parametrize("count", [1, 50])
 def test_every_quick_task_runs_once(count):
     executor = Executor(800)
@@ -129,8 +191,9 @@ def test_every_quick_task_runs_once(count):
                 all_done.set()
 
     try:
-        for i in range(count):
-            executor.submit(lambda i=i: task(i))
+        with executor.submitting() as submit:
+            for i in range(count):
+                submit(lambda i=i: task(i))
         assert all_done.wait(10)
         time.sleep(0.05)
         assert sorted(seen) == list(range(count))

@@ -6,7 +6,8 @@ import asyncio
 import queue
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from workpool.core.errors import describe_error
@@ -41,10 +42,11 @@ class Executor:
         # Semaphore, which a short task would pay twice.)
         self._idle: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._grow_lock = threading.Lock()
-        # What the spawner is asked for (see _spawn): a thread for a task that found
-        # none idle (True), an idle thread ahead of any task (False), or to stop (None).
-        self._wanted: queue.SimpleQueue[bool | None] = queue.SimpleQueue()
+        # What the spawner is asked for (see _spawn): threads for that many tasks that
+        # found none idle (n > 0), an idle thread ahead of any task (0), or to stop (None).
+        self._wanted: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._spawner: threading.Thread | None = None
+        self._backoff = 0.0  # the spawner's wait before it tries again to start a thread
         self._closed = False  # shut down: the spawner starts no more threads
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks_alive: set[asyncio.Task[None]] = set()
@@ -68,20 +70,44 @@ class Executor:
         so a task waits only when ``threads`` are busy, or for its thread to start:
         the worker never has more tasks in flight than that (a sync action stuck
         past its timeout is still counted), so none waits for long."""
-        self._tasks.put(task)
+        with self.submitting() as put:
+            put(task)
+
+    @contextmanager
+    def submitting(self) -> Iterator[Callable[[Callable[[], None]], None]]:
+        """``submit`` for many tasks: each is queued as it is put, so an idle thread
+        starts it at once, and threads are found for them all at the end, with one
+        request to the spawner for those that found no idle thread. A claim's tasks
+        outpace the threads going idle: draining 100,000 no-ops, 3 in 4 found none,
+        and a request for each woke the spawner (39k requests a worker process ->
+        125; the benchmark's drain 54.0k -> 58.5k jobs/s on SQLite, 41.6k -> 43.6k
+        on PostgreSQL, medians of 4 alternated pairs of 3 trials)."""
+        count = 0
+
+        def put(task: Callable[[], None]) -> None:
+            nonlocal count
+            self._tasks.put(task)
+            count += 1
+
         try:
-            self._idle.get_nowait()
-            return
-        except queue.Empty:
-            pass
-        self._wanted.put(True)
-        self._start_spawner()
+            yield put
+        finally:
+            self._find_threads(count)
+
+    def _find_threads(self, count: int) -> None:
+        for taken in range(count):
+            try:
+                self._idle.get_nowait()
+            except queue.Empty:
+                self._wanted.put(count - taken)
+                self._start_spawner()
+                return
 
     def warm(self, count: int) -> None:
         """Have up to ``count`` threads wait for tasks before any comes: the first
         tasks of a new worker then start at once, not after a thread start each."""
         for _ in range(min(count, self._max)):
-            self._wanted.put(False)
+            self._wanted.put(0)
         self._start_spawner()
 
     def _start_spawner(self) -> None:
@@ -97,39 +123,47 @@ class Executor:
         """Find each task that ``submit`` left without an idle thread one: a token
         that a thread put meanwhile (it is idle, or it took that very task, and the
         token would otherwise promise a thread that is busy), else a new thread."""
-        backoff = 0.0
-        while (for_task := self._wanted.get()) is not None:
-            if for_task:
-                try:
-                    self._idle.get_nowait()
-                    continue
-                except queue.Empty:
-                    pass
+        while (wanted := self._wanted.get()) is not None:
+            for left in range(max(wanted, 1), 0, -1):
+                if wanted:
+                    try:
+                        self._idle.get_nowait()
+                        continue
+                    except queue.Empty:
+                        pass
+                if not self._start_thread(idle=not wanted):
+                    self._wanted.put(left if wanted else 0)  # tried again after a backoff
+                    break
+
+    def _start_thread(self, idle: bool) -> bool:
+        """Start a thread (``idle``: that waits for tasks before any comes), unless
+        there are ``threads`` already; False if the system refused it."""
+        with self._grow_lock:
+            if self._closed or len(self._threads) >= self._max:
+                return True
+            thread = threading.Thread(
+                target=self._serve,
+                args=(idle,),
+                name=f"{self._name}-exec-{len(self._threads)}",
+                daemon=True,
+            )
+            self._threads.append(thread)
+        try:
+            thread.start()
+            self._backoff = 0.0
+            return True
+        except RuntimeError as exc:
+            # The system refused a thread (its limit on threads, or memory): the
+            # task waits in the queue for a thread that frees up, or for the
+            # next try here, rather than being lost with this one's error.
             with self._grow_lock:
-                if self._closed or len(self._threads) >= self._max:
-                    continue
-                thread = threading.Thread(
-                    target=self._serve,
-                    args=(not for_task,),
-                    name=f"{self._name}-exec-{len(self._threads)}",
-                    daemon=True,
-                )
-                self._threads.append(thread)
-            try:
-                thread.start()
-                backoff = 0.0
-            except RuntimeError as exc:
-                # The system refused a thread (its limit on threads, or memory): the
-                # task waits in the queue for a thread that frees up, or for the
-                # next try here, rather than being lost with this one's error.
-                with self._grow_lock:
-                    self._threads.remove(thread)
-                backoff = min(max(backoff * 2, 0.05), 5.0)
-                events.worker_event(
-                    "thread_start_failed", 40, error=describe_error(exc), retry_in=backoff
-                )
-                time.sleep(backoff)
-                self._wanted.put(for_task)
+                self._threads.remove(thread)
+            self._backoff = min(max(self._backoff * 2, 0.05), 5.0)
+            events.worker_event(
+                "thread_start_failed", 40, error=describe_error(exc), retry_in=self._backoff
+            )
+            time.sleep(self._backoff)
+            return False
 
     def threads(self) -> int:
         """How many threads have been started (they never exit before ``shutdown``)."""

@@ -411,30 +411,31 @@ class Worker:
         in_tx: list[_Task] = []
         specs: dict[str, FnSpec | None] = {}
         kept: _Task | None = None
-        for work, args in zip(claimed, _decoded_args(claimed), strict=True):
-            if work.pool in logged:
-                events.started(
-                    logged[work.pool],
-                    pool=work.pool,
-                    work_id=work.id,
-                    fn_name=work.fn_name,
-                    attempt=work.attempt,
-                    start_lag=work.started_at - work.due_at,
-                )
-            if work.fn_name not in specs:
-                specs[work.fn_name] = self.registry.get(work.fn_name)
-            spec = self._runnable(work, specs[work.fn_name], args)
-            if spec is None:
-                continue
-            assert isinstance(args, dict)
-            if work.kind != "action":
-                in_tx.append((spec, work, args))
-            elif spec.is_async:
-                coros.append(self._run_async(spec, work, args))
-            elif keep and kept is None:
-                kept = (spec, work, args)
-            else:
-                executor.submit(partial(self._run_sync, spec, work, args))
+        with executor.submitting() as submit:
+            for work, args in zip(claimed, _decoded_args(claimed), strict=True):
+                if work.pool in logged:
+                    events.started(
+                        logged[work.pool],
+                        pool=work.pool,
+                        work_id=work.id,
+                        fn_name=work.fn_name,
+                        attempt=work.attempt,
+                        start_lag=work.started_at - work.due_at,
+                    )
+                if work.fn_name not in specs:
+                    specs[work.fn_name] = self.registry.get(work.fn_name)
+                spec = self._runnable(work, specs[work.fn_name], args)
+                if spec is None:
+                    continue
+                assert isinstance(args, dict)
+                if work.kind != "action":
+                    in_tx.append((spec, work, args))
+                elif spec.is_async:
+                    coros.append(self._run_async(spec, work, args))
+                elif keep and kept is None:
+                    kept = (spec, work, args)
+                else:
+                    submit(partial(self._run_sync, spec, work, args))
         if coros:
             executor.submit_async(coros)
         if in_tx:  # one transaction for the claim's calls: measured best on both stores
