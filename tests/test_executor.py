@@ -14,56 +14,52 @@ import pytest
 from workpool.runtime.executor import Executor
 
 
-def test_tasks_that_block_each_get_a_thread_up_to_the_limit():
-    executor = Executor(8)
-    gate = threading.Event()
-    # Each task waits at a barrier of eight parties: it lets them through only if
-    # all eight run at once (else it breaks after its timeout, and they raise).
-    barrier = threading.Barrier(8, timeout=10)
-    passed = []
+class _AllAtOnce:
+    """Tasks that get through only if ``parties`` of them run at once: each waits
+    at a barrier of that many parties (which breaks after its timeout, and they
+    raise), then holds its thread until ``release``."""
 
-    def task() -> None:
-        barrier.wait()
-        passed.append(1)
-        gate.wait(10)
+    def __init__(self, parties: int) -> None:
+        self.parties = parties
+        self.barrier = threading.Barrier(parties, timeout=10)
+        self.passed: list[int] = []
+        self.gate = threading.Event()
 
-    try:
-        for _ in range(8):
-            executor.submit(task)
+    def task(self) -> None:
+        self.barrier.wait()
+        self.passed.append(1)
+        self.gate.wait(10)
+
+    def all_passed(self) -> bool:
         deadline = time.monotonic() + 10
-        while len(passed) < 8 and time.monotonic() < deadline:
+        while len(self.passed) < self.parties and time.monotonic() < deadline:
             time.sleep(0.005)
-        assert len(passed) == 8
-    finally:
-        gate.set()
-        executor.shutdown()
+        return len(self.passed) == self.parties
+
+    def release(self) -> None:
+        self.gate.set()
 
 
-def test_tasks_submitted_together_that_block_each_get_a_thread():
-    """``submitting`` finds the threads for a batch at its end, with one request to
-    the spawner for all the tasks that found none idle: each still gets its own."""
+@pytest.mark.parametrize("together", [False, True])
+def test_tasks_that_block_each_get_a_thread_up_to_the_limit(together):
+    """Submitted one by one, or together: ``submitting`` finds the threads for a
+    batch at its end, with one request to the spawner for all the tasks that
+    found none idle, and each still gets its own."""
     executor = Executor(8)
-    gate = threading.Event()
-    barrier = threading.Barrier(8, timeout=10)
-    passed = []
-
-    def task() -> None:
-        barrier.wait()
-        passed.append(1)
-        gate.wait(10)
-
+    tasks = _AllAtOnce(8)
     try:
-        executor.warm(2)  # some tasks find an idle thread, the rest ask the spawner
-        with executor.submitting() as submit:
+        if together:
+            executor.warm(2)  # some tasks find an idle thread, the rest ask the spawner
+            with executor.submitting() as submit:
+                for _ in range(8):
+                    submit(tasks.task)
+        else:
             for _ in range(8):
-                submit(task)
-        deadline = time.monotonic() + 10
-        while len(passed) < 8 and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert len(passed) == 8
+                executor.submit(tasks.task)
+        assert tasks.all_passed()
         assert executor.threads() == 8
     finally:
-        gate.set()
+        tasks.release()
         executor.shutdown()
 
 
@@ -154,26 +150,15 @@ def test_a_refused_thread_start_in_a_batch_is_tried_again_for_the_rest(monkeypat
 
     monkeypatch.setattr(threading.Thread, "start", refusing_start)
     executor = Executor(3)
-    gate = threading.Event()
-    barrier = threading.Barrier(3, timeout=10)
-    passed = []
-
-    def task() -> None:
-        barrier.wait()
-        passed.append(1)
-        gate.wait(10)
-
+    tasks = _AllAtOnce(3)
     try:
         with executor.submitting() as submit:
             for _ in range(3):
-                submit(task)
-        deadline = time.monotonic() + 10
-        while len(passed) < 3 and time.monotonic() < deadline:
-            time.sleep(0.005)
+                submit(tasks.task)
+        assert tasks.all_passed(), "a task behind the refused start got no thread"
         assert refusals == []
-        assert len(passed) == 3, "a task behind the refused start got no thread"
     finally:
-        gate.set()
+        tasks.release()
         executor.shutdown()
 
 
