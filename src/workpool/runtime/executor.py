@@ -80,8 +80,8 @@ class Executor:
         request to the spawner for those that found no idle thread. A claim's tasks
         outpace the threads going idle: draining 100,000 no-ops, 3 in 4 found none,
         and a request for each woke the spawner (39k requests a worker process ->
-        125; the benchmark's drain 54.0k -> 58.5k jobs/s on SQLite, 41.6k -> 43.6k
-        on PostgreSQL, medians of 4 alternated pairs of 3 trials)."""
+        125; the benchmark's drain 53.6k -> 57.6k jobs/s on SQLite, 39.3k -> 41.7k
+        on PostgreSQL, medians of 7 alternated pairs of 3 trials)."""
         count = 0
 
         def put(task: Callable[[], None]) -> None:
@@ -120,7 +120,7 @@ class Executor:
                     self._spawner.start()
 
     def _spawn(self) -> None:
-        """Find each task that ``submit`` left without an idle thread one: a token
+        """Find each task that ``submitting`` left without an idle thread one: a token
         that a thread put meanwhile (it is idle, or it took that very task, and the
         token would otherwise promise a thread that is busy), else a new thread."""
         while (wanted := self._wanted.get()) is not None:
