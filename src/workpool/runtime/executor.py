@@ -70,8 +70,8 @@ class Executor:
         so a task waits only when ``threads`` are busy, or for its thread to start:
         the worker never has more tasks in flight than that (a sync action stuck
         past its timeout is still counted), so none waits for long."""
-        with self.submitting() as put:
-            put(task)
+        self._tasks.put(task)
+        self._find_threads(1)
 
     @contextmanager
     def submitting(self) -> Iterator[Callable[[Callable[[], None]], None]]:
@@ -95,13 +95,20 @@ class Executor:
             self._find_threads(count)
 
     def _find_threads(self, count: int) -> None:
+        """Take a token for each of ``count`` queued tasks; the spawner finds the rest."""
         for taken in range(count):
-            try:
-                self._idle.get_nowait()
-            except queue.Empty:
+            if not self._took_idle():
                 self._wanted.put(count - taken)
                 self._start_spawner()
                 return
+
+    def _took_idle(self) -> bool:
+        """Take the token of a thread that went idle, if one is there."""
+        try:
+            self._idle.get_nowait()
+        except queue.Empty:
+            return False
+        return True
 
     def warm(self, count: int) -> None:
         """Have up to ``count`` threads wait for tasks before any comes: the first
@@ -120,19 +127,20 @@ class Executor:
                     self._spawner.start()
 
     def _spawn(self) -> None:
-        """Find each task that ``submitting`` left without an idle thread one: a token
-        that a thread put meanwhile (it is idle, or it took that very task, and the
-        token would otherwise promise a thread that is busy), else a new thread."""
+        """Find each task that ``submit`` or ``submitting`` left without an idle
+        thread one: a token that a thread put meanwhile (it is idle, or it took that
+        very task, and the token would otherwise promise a thread that is busy), else
+        a new thread."""
         while (wanted := self._wanted.get()) is not None:
-            for left in range(max(wanted, 1), 0, -1):
-                if wanted:
-                    try:
-                        self._idle.get_nowait()
-                        continue
-                    except queue.Empty:
-                        pass
-                if not self._start_thread(idle=not wanted):
-                    self._wanted.put(left if wanted else 0)  # tried again after a backoff
+            if wanted == 0:  # a thread ahead of any task
+                if not self._start_thread(idle=True):
+                    self._wanted.put(0)  # tried again after a backoff
+                continue
+            for left in range(wanted, 0, -1):
+                if self._took_idle():
+                    continue
+                if not self._start_thread(idle=False):
+                    self._wanted.put(left)  # tried again after a backoff
                     break
 
     def _start_thread(self, idle: bool) -> bool:
