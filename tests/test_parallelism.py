@@ -671,3 +671,85 @@ def test_a_records_refill_is_capped_at_the_workers_share(app):
     other = _worker_with(app, 5, 3, 5, peers=1)
     other.peers_seen([["p"], ["q"], ["q", "r"]])
     assert other._share("p", time.monotonic()) is None
+
+
+def _register_noop(app: Any) -> None:
+    @app.action(name="noop")
+    def noop() -> None:
+        return None
+
+
+def _live(app: Any, worker_id: str, pools: list[str], ttl: float = 600.0) -> None:
+    """A row in the workers table, as a worker's heartbeat writes it."""
+    store, now = app.store, time.time()
+    info = WorkerInfo(id=worker_id, host="elsewhere", pid=1, pools=pools)
+    store.run(lambda tx: store.heartbeat(tx, info, now, now + ttl))
+
+
+def _claim(app: Any, pool: str, limit: int) -> list[str]:
+    store = app.store
+    return [w.id for w in store.run(lambda tx: store.claim(tx, pool, limit, "w1", time.time()))]
+
+
+def test_a_claim_of_a_burst_smaller_than_itself_leaves_the_other_workers_their_share(app):
+    """Where the store splits claims (PostgreSQL), a claim that finds fewer due rows
+    than it may take, Store.claim_split_min or more, takes the due rows over the
+    live workers that serve the pool (rounded up, and at least a quarter of
+    claim_split_min); fewer due rows than that, or at least as many as it may take,
+    and it takes what it may. Workers of other pools and expired ones do not count.
+    Elsewhere (SQLite) a claim takes all it may."""
+    _register_noop(app)
+    pool = app.pool("burst", max_parallelism=100_000)
+    pool.stats()  # the store made
+    split = app.store.claim_split_min
+    _live(app, "w1", ["burst"])
+    _live(app, "w2", [])  # serves every pool
+    _live(app, "other", ["elsewhere"])
+    _live(app, "expired", [], ttl=-1.0)
+    ids = pool.enqueue_action_batch("noop", [{} for _ in range(300)])
+
+    claims = [_claim(app, "burst", 1000) for _ in range(4)]
+    assert sorted(i for claim in claims for i in claim) == sorted(ids)
+    sizes = [len(claim) for claim in claims]
+    if split is None:
+        assert sizes == [300, 0, 0, 0]
+    else:
+        assert split == 128
+        assert sizes == [150, 75, 75, 0]  # 150 left is split; 75 is under 128
+
+    # At least as many due as the claim may take: it takes what it may.
+    pool.enqueue_action_batch("noop", [{} for _ in range(300)])
+    assert len(_claim(app, "burst", 100)) == 100
+    # Ten workers more: a share of 200 would be 17 rows, and a claim takes at least 32.
+    for i in range(10):
+        _live(app, f"ghost{i}", ["burst"])
+    assert len(_claim(app, "burst", 1000)) == (200 if split is None else 32)
+
+
+def test_a_worker_whose_claim_left_rows_to_the_others_claims_again_at_once(app):
+    """The claim's answer says more may be claimable when it got fewer rows than
+    it asked but a split claim's least share or more: the dispatcher claims again
+    at once, so rows that the other workers do not take start without waiting for
+    a record or the idle poll. Short claims of a few rows do not say so."""
+    _register_noop(app)
+    pool = app.pool("burst", max_parallelism=100_000)
+    store = app.store
+    pool.enqueue_action_batch("noop", [{} for _ in range(300)])
+    worker = Worker(store, app.registry, WorkerOptions(pools=["burst"], concurrency=1000))
+    worker.configs = {c.name: c for c in store.run(store.load_pools, readonly=True)}
+    _live(app, worker.info.id, ["burst"])
+    _live(app, "busy", ["burst"])  # a live worker that takes nothing
+
+    def claim() -> tuple[int, bool]:
+        claimed, more = store.run(lambda tx: worker._claim_in(tx, free=1000))()
+        return len(claimed), more
+
+    if store.claim_split_min is None:
+        assert claim() == (300, False)
+    else:
+        rounds = []
+        while (got := claim())[1]:
+            rounds.append(got)
+        assert rounds == [(150, True), (75, True), (75, True)] and got == (0, False)
+    pool.enqueue_action_batch("noop", [{} for _ in range(3)])
+    assert claim() == (3, False)

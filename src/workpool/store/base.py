@@ -540,6 +540,11 @@ class Store(abc.ABC):
     # both. On SQLite a bigger transaction holds the one write lock longer: 1,024
     # drained no faster, 2,048 slowed the on_complete drain.
     worker_batch: int = 512
+    # A claim that finds fewer due rows than it asked for, but this many or more, may
+    # take only its share of them, at least a quarter of this, and leave the rest to
+    # the other workers that serve the pool (None: it takes all). A worker whose
+    # claim got fewer than it asked, but that quarter or more, claims again at once.
+    claim_split_min: int | None = None
 
     # A claim takes a lock that every writer needs (SQLite's single write lock), so
     # a worker whose last claim found nothing reads claimable() before the next.

@@ -48,6 +48,11 @@ from workpool.store.url import whole_number
 # took every due row of a pool of big payloads would read and decode them all on
 # its own while the other workers' slots stayed empty; small args never reach it.
 CLAIM_BYTES = 4_000_000
+# A claim that finds fewer due rows than it may take, but at least this many, takes
+# its share of them: the rows over the live workers that serve the pool, rounded up,
+# and at least a quarter of this (``_pick``). Below it, a claim takes all: a few rows
+# split would save less than the other workers' claims of them cost.
+CLAIM_SPLIT_MIN = 128
 # A claim returns a row's args and context itself up to this many bytes together;
 # bigger ones it leaves out, to be read after its COMMIT. The claim lock is held
 # until then: a claim of 3 rows of 800 KB args and 800 KB context took 10-13 ms
@@ -230,6 +235,9 @@ class PostgresStore(SqlStore):
     # the COMMIT, the client's work between two of them) is shared by twice the
     # jobs. A claim of 1,024 takes 9-10 ms (512: 5.5), holding the pool's claim lock.
     worker_batch = 1024
+    # A claim that would take every due row, CLAIM_SPLIT_MIN or more, takes its share
+    # of them (``_pick``), so a burst smaller than a batch runs on every worker.
+    claim_split_min = CLAIM_SPLIT_MIN
 
     def __init__(self, url: str, *, schema: str = "workpool") -> None:
         super().__init__()
@@ -682,7 +690,10 @@ class PostgresStore(SqlStore):
         """
         tids = self._pick("%s", self._room("%s::int", "%s"))
         claim = self._sql(self._CLAIM % (f"ctid = ANY(ARRAY({tids}))", self._RETURNED))
-        names = iter(("p_worker", "p_now", "p_pool", "p_now", "p_limit", "p_pool", "p_pool"))
+        # The placeholders in order: the UPDATE's, then the pick's (see _pick): its
+        # room, its pool and due time, and its count of the live workers.
+        update, room = ("p_worker", "p_now"), ("p_limit", "p_pool", "p_pool")
+        names = iter((*update, *room, "p_pool", "p_now", "p_now", "p_pool"))
         claim = re.sub("%s", lambda _: next(names), claim)
         body = (
             "(p_schema text, p_pool text, p_limit integer, p_worker text,"
@@ -818,17 +829,34 @@ class PostgresStore(SqlStore):
         next due pending rows, at most ``free``, and after the first only while their
         args (and contexts, which a claim reads for a handler) stay within
         ``CLAIM_BYTES`` (``octet_length`` reads a stored value's size, not the
-        value). Both arguments are SQL; a placeholder for ``now`` comes between
-        them."""
+        value). Both arguments are SQL; ``free`` comes first, then ``pool`` and a
+        placeholder for ``now``, then the two again (the live workers' count).
+
+        When fewer rows are due than ``free``, CLAIM_SPLIT_MIN or more, it takes its
+        share: the due rows over the live workers that serve the pool, rounded up,
+        and at least a quarter of CLAIM_SPLIT_MIN. A burst smaller than a claim then
+        runs on every worker, not on the one that claimed first: two workers, 1,000
+        jobs that fail twice and then succeed, 3.3k -> 3.8k jobs/s (medians of 18
+        alternated trials). The rows it locks and leaves are free again at its
+        COMMIT, before the next claim of the pool takes its lock."""
         s = self.table_prefix
+        workers = (
+            f"(SELECT count(*) FROM {s}workers WHERE expires_at > %s"
+            f" AND (pools = '' OR {pool} = ANY(string_to_array(pools, ','))))"
+        )
         return (
-            "SELECT tid FROM (SELECT tid, sum(size) OVER (ORDER BY due_at, id"
-            " ROWS UNBOUNDED PRECEDING) - size AS before FROM (SELECT id,"
+            f"SELECT d.tid FROM (SELECT {free} AS lim) l, LATERAL (SELECT tid,"
+            " sum(size) OVER w - size AS before, row_number() OVER w AS n,"
+            " count(*) OVER () AS total FROM (SELECT id,"
             " ctid AS tid, due_at, coalesce(payload_bytes, octet_length(args) + CASE WHEN"
             " on_complete IS NULL THEN 0 ELSE coalesce(octet_length(context), 0) END) AS size"
             f" FROM {s}work WHERE pool = {pool}"
             " AND state = 'pending' AND due_at <= %s ORDER BY due_at, id"
-            f" LIMIT {free}{self.skip_locked}) c) d WHERE before < {CLAIM_BYTES}"
+            f" LIMIT l.lim{self.skip_locked}) c"
+            " WINDOW w AS (ORDER BY due_at, id ROWS UNBOUNDED PRECEDING)) d"
+            f" WHERE d.before < {CLAIM_BYTES} AND (d.total < {CLAIM_SPLIT_MIN} OR d.total >= l.lim"
+            f" OR d.n <= GREATEST(ceil(d.total::float8 / GREATEST({workers}, 1)),"
+            f" {CLAIM_SPLIT_MIN // 4}))"
         )
 
     def claim_cut(self, claimed: Sequence[ClaimedWork]) -> bool:
@@ -873,7 +901,7 @@ class PostgresStore(SqlStore):
             f" LATERAL ({self._pick('a.pool', free)}) c"
         )
         sql = self._sql(self._CLAIM % (f"ctid = ANY(ARRAY({tids}))", self._RETURNED) + ", pool")
-        claim = tx.defer(sql, (worker_id, now, names_param, limits_param, now), rows=True)
+        claim = tx.defer(sql, (worker_id, now, names_param, limits_param, now, now), rows=True)
 
         def answer() -> dict[str, list[ClaimedWork]]:
             got: dict[str, list[ClaimedWork]] = {p: [] for p in pools}
