@@ -497,9 +497,8 @@ class Worker:
         if unfilled:
             self.store.notify(tx, unfilled)
         skipped = any(n > 0 and p not in asks for p, n in rooms.items())
-        # A claim that got fewer than it asked, but a split claim's least share or more,
-        # may have left due rows to the other workers (Store.claim_split_min).
-        split = self.store.claim_split_min // 4 if self.store.claim_split_min else free + 1
+        least = self.store.claim_split_min
+        split = None if least is None else least // 4  # a split claim's least share
 
         def answer() -> tuple[list[ClaimedWork], bool]:
             by_pool = claims()
@@ -509,10 +508,15 @@ class Worker:
                 self.configs = {c.name: c for c in configs()}
             # More may be due in a pool that gave all it was asked while it had room
             # for more (the share or the batch cap stopped it), that the store's
-            # limit on a claim's bytes of args stopped, or that got no share.
+            # limit on a claim's bytes of args stopped, whose claim took its share
+            # and left the rest to other workers (Store.claim_split_min: it got at
+            # least a split claim's least share), or that got no share.
             cut = any(
                 len(works) == n < rooms[p]
-                or (len(works) < n and (self.store.claim_cut(works) or len(works) >= split))
+                or (
+                    len(works) < n
+                    and (self.store.claim_cut(works) or (split is not None and len(works) >= split))
+                )
                 for p, n, works in got
             )
             short = len(claimed) < free and (skipped or cut)
