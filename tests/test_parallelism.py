@@ -753,3 +753,30 @@ def test_a_worker_whose_claim_left_rows_to_the_others_claims_again_at_once(app):
         assert rounds == [(150, True), (75, True), (75, True)] and got == (0, False)
     pool.enqueue_action_batch("noop", [{} for _ in range(3)])
     assert claim() == (3, False)
+
+
+def test_a_claim_from_many_pools_takes_its_share_of_each(app):
+    """The claim of several pools at once (one statement on PostgreSQL) splits each
+    pool as a claim of one pool does: a burst of 128 or more leaves the other
+    workers their share, a smaller one is taken whole."""
+    _register_noop(app)
+    big, small = (
+        app.pool("big", max_parallelism=100_000),
+        app.pool("small", max_parallelism=100_000),
+    )
+    big.enqueue_action_batch("noop", [{} for _ in range(300)])
+    small.enqueue_action_batch("noop", [{} for _ in range(50)])
+    _live(app, "w1", [])
+    _live(app, "w2", ["big", "small"])
+    store = app.store
+
+    def claim() -> dict[str, int]:
+        asks = {"big": 1000, "small": 1000}
+        got = store.run(lambda tx: store.claim_many_later(tx, asks, "w1", time.time()))()
+        return {pool: len(works) for pool, works in got.items()}
+
+    if store.claim_split_min is None:
+        assert claim() == {"big": 300, "small": 50}
+    else:
+        assert claim() == {"big": 150, "small": 50}
+        assert claim() == {"big": 75, "small": 0}
