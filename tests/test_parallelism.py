@@ -609,9 +609,7 @@ def test_a_share_left_to_a_worker_that_takes_nothing_is_taken_back(app, rec: Rec
     try:
         pool = runner.pool("shared", max_parallelism=4)
         pool.stats()  # the store made
-        ghost = WorkerInfo(id="ghost", host="elsewhere", pid=1, pools=[])
-        now = time.time()
-        runner.store.run(lambda tx: runner.store.heartbeat(tx, ghost, now, now + 600))
+        _live(runner, "ghost", [])
         pool.enqueue_action_batch("step", [{"i": i} for i in range(40)])
         run_until_idle(runner, concurrency=4)
         assert _drained(pool)
@@ -694,8 +692,8 @@ def _claim(app: Any, pool: str, limit: int) -> list[str]:
 def test_a_claim_of_a_burst_smaller_than_itself_leaves_the_other_workers_their_share(app):
     """Where the store splits claims (PostgreSQL), a claim that finds fewer due rows
     than it may take, Store.claim_split_min or more, takes the due rows over the
-    live workers that serve the pool (rounded up, and at least a quarter of
-    claim_split_min); fewer due rows than that, or at least as many as it may take,
+    live workers that serve the pool (rounded up, and at least
+    Store.claim_least_share); fewer due rows than that, or at least as many as it may take,
     and it takes what it may. Workers of other pools and expired ones do not count.
     Elsewhere (SQLite) a claim takes all it may."""
     _register_noop(app)
@@ -714,7 +712,7 @@ def test_a_claim_of_a_burst_smaller_than_itself_leaves_the_other_workers_their_s
     if split is None:
         assert sizes == [300, 0, 0, 0]
     else:
-        assert split == 128
+        assert (split, app.store.claim_least_share) == (128, 32)
         assert sizes == [150, 75, 75, 0]  # 150 left is split; 75 is under 128
 
     # At least as many due as the claim may take: it takes what it may.

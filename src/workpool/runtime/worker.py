@@ -497,8 +497,7 @@ class Worker:
         if unfilled:
             self.store.notify(tx, unfilled)
         skipped = any(n > 0 and p not in asks for p, n in rooms.items())
-        least = self.store.claim_split_min
-        split = None if least is None else least // 4  # a split claim's least share
+        split = self.store.claim_least_share
 
         def answer() -> tuple[list[ClaimedWork], bool]:
             by_pool = claims()
@@ -509,8 +508,8 @@ class Worker:
             # More may be due in a pool that gave all it was asked while it had room
             # for more (the share or the batch cap stopped it), that the store's
             # limit on a claim's bytes of args stopped, whose claim took its share
-            # and left the rest to other workers (Store.claim_split_min: it got at
-            # least a split claim's least share), or that got no share.
+            # and left the rest to other workers (it got at least the store's
+            # claim_least_share), or that got no share.
             cut = any(
                 len(works) == n < rooms[p]
                 or (

@@ -50,8 +50,8 @@ from workpool.store.url import whole_number
 CLAIM_BYTES = 4_000_000
 # A claim that finds fewer due rows than it may take, but at least this many, takes
 # its share of them: the rows over the live workers that serve the pool, rounded up,
-# and at least a quarter of this (``_pick``). Below it, a claim takes all: a few rows
-# split would save less than the other workers' claims of them cost.
+# and at least Store.claim_least_share (``_pick``). Below it, a claim takes all: a
+# few rows split would save less than the other workers' claims of them cost.
 CLAIM_SPLIT_MIN = 128
 # A claim returns a row's args and context itself up to this many bytes together;
 # bigger ones it leaves out, to be read after its COMMIT. The claim lock is held
@@ -834,7 +834,7 @@ class PostgresStore(SqlStore):
 
         When fewer rows are due than ``free``, CLAIM_SPLIT_MIN or more, it takes its
         share: the due rows over the live workers that serve the pool, rounded up,
-        and at least a quarter of CLAIM_SPLIT_MIN. A burst smaller than a claim then
+        and at least ``claim_least_share``. A burst smaller than a claim then
         runs on every worker, not on the one that claimed first: two workers, 1,000
         jobs that fail twice and then succeed, 3.3k -> 3.8k jobs/s (medians of 18
         alternated trials). The rows it locks and leaves are free again at its
@@ -854,9 +854,9 @@ class PostgresStore(SqlStore):
             " AND state = 'pending' AND due_at <= %s ORDER BY due_at, id"
             f" LIMIT l.lim{self.skip_locked}) c"
             " WINDOW w AS (ORDER BY due_at, id ROWS UNBOUNDED PRECEDING)) d"
-            f" WHERE d.before < {CLAIM_BYTES} AND (d.total < {CLAIM_SPLIT_MIN} OR d.total >= l.lim"
-            f" OR d.n <= GREATEST(ceil(d.total::float8 / GREATEST({workers}, 1)),"
-            f" {CLAIM_SPLIT_MIN // 4}))"
+            f" WHERE d.before < {CLAIM_BYTES} AND (d.total < {self.claim_split_min}"
+            " OR d.total >= l.lim OR d.n <= GREATEST(ceil(d.total::float8"
+            f" / GREATEST({workers}, 1)), {self.claim_least_share}))"
         )
 
     def claim_cut(self, claimed: Sequence[ClaimedWork]) -> bool:
