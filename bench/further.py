@@ -3,7 +3,8 @@ the side-by-side benchmark does not time (queries, mutations, async actions,
 failures, many pools, a 200k batch, status and cancel of it, a drain of 500k,
 scheduled work, producers on threads, in asyncio and in processes, producer
 processes beside draining workers, CPU-bound actions on two workers that share
-a pool's limit, and CPU-bound actions under `workpool worker --processes`).
+a pool's limit, a burst of them on two idle workers, and CPU-bound actions under
+`workpool worker --processes`).
 
     bench/.venv/bin/python bench/further.py [--store sqlite|postgresql] [--only a,b]
 
@@ -11,7 +12,7 @@ Each workload gets a fresh store (a new SQLite file; PostgreSQL: the database
 `bench_further`, dropped and created again) and runs its worker in this process
 (`run_worker(until_idle=True)`, concurrency 400), so rates are of one process, not
 comparable with bench/run.py's two worker processes; `processes`, `mixed`,
-`shares` and `cpu` spawn producer or worker processes of their own. It prints
+`shares`, `burst` and `cpu` spawn producer or worker processes of their own. It prints
 one line per number; nothing is checked against a target.
 """
 
@@ -306,22 +307,25 @@ def mixed(store: str) -> None:
         app.close()
 
 
-def shares(store: str) -> None:
-    """160 CPU-bound actions of 20 ms, a pool of limit 4, 2 worker processes of 4
-    slots: how long, and how many each process ran. Until round 38 the first worker
-    to claim kept all 4 slots (its records refilled them), so the pool ran on one
-    process's GIL: one core (3.2 s) where two would take 1.6."""
+def _on_two_workers(
+    store: str, limit: int, concurrency: int, jobs: int, ms: float
+) -> tuple[float, list[int]]:
+    """``jobs`` CPU-bound actions of ``ms`` enqueued in one batch to 2 idle worker
+    processes of ``concurrency`` slots, in a pool of ``limit``: seconds from the
+    enqueue until none is left, and how many jobs each process ran."""
     app = build(store)
-    pool = app.pool("p", max_parallelism=4)
+    pool = app.pool("p", max_parallelism=limit)
     pool.stats()  # writes the limit before the workers read it
     spawn = multiprocessing.get_context("spawn")
     stop = spawn.Event()
-    workers = [spawn.Process(target=_work_in_process, args=(app.url, stop, 4)) for _ in range(2)]
+    workers = [
+        spawn.Process(target=_work_in_process, args=(app.url, stop, concurrency)) for _ in range(2)
+    ]
     for worker in workers:
         worker.start()
     time.sleep(2.0)  # both are up, and each has read that the other serves the pool
     started = time.perf_counter()
-    ids = pool.enqueue_action_batch("burn", [{"ms": 20.0}] * 160)
+    ids = pool.enqueue_action_batch("burn", [{"ms": ms}] * jobs)
     while (stats := pool.stats()).backlog or stats.running:
         time.sleep(0.01)
     took = time.perf_counter() - started
@@ -329,12 +333,35 @@ def shares(store: str) -> None:
     for worker in workers:
         worker.join(30)
     ran = collections.Counter(status.result.return_value for status in pool.status_batch(ids))
+    app.close()
+    return took, sorted(ran.values())
+
+
+def shares(store: str) -> None:
+    """160 CPU-bound actions of 20 ms, a pool of limit 4, 2 worker processes of 4
+    slots: how long, and how many each process ran. Until round 38 the first worker
+    to claim kept all 4 slots (its records refilled them), so the pool ran on one
+    process's GIL: one core (3.2 s) where two would take 1.6."""
+    took, ran = _on_two_workers(store, limit=4, concurrency=4, jobs=160, ms=20.0)
     report(
         store,
         "160 CPU-bound actions of 20 ms, limit 4, 2 workers of 4 slots: s, jobs per worker",
-        f"{took:.2f}, {sorted(ran.values())}",
+        f"{took:.2f}, {ran}",
     )
-    app.close()
+
+
+def burst(store: str) -> None:
+    """A burst of 300 CPU-bound actions of 2 ms, no limit, to 2 idle worker processes
+    of 400 slots: how long, and how many each process ran. A claim may take all
+    300; one worker that did ran them on its own GIL, one core (0.6 s) where two
+    would take 0.3 (round 49: a claim of a burst takes its worker's share, on
+    SQLite too)."""
+    took, ran = _on_two_workers(store, limit=100_000, concurrency=400, jobs=300, ms=2.0)
+    report(
+        store,
+        "a burst of 300 CPU-bound actions of 2 ms, 2 workers of 400 slots: s, jobs per worker",
+        f"{took:.2f}, {ran}",
+    )
 
 
 CPU_APP = """
@@ -421,6 +448,7 @@ WORKLOADS: dict[str, Callable[[str], None]] = {
     "processes": processes,
     "mixed": mixed,
     "shares": shares,
+    "burst": burst,
     "cpu": cpu,
 }
 

@@ -26,8 +26,10 @@ from conftest import (
     run_until_idle,
     wait_for,
 )
+from workpool.core.results import success_json
 from workpool.runtime.worker import Worker, WorkerOptions, _InFlight
 from workpool.store.base import ClaimedWork, PoolConfig, WorkerInfo
+from workpool.store.sql import CLAIM_SPLIT_MIN
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -684,79 +686,110 @@ def _live(app: Any, worker_id: str, pools: list[str], ttl: float = 600.0) -> Non
     store.run(lambda tx: store.heartbeat(tx, info, now, now + ttl))
 
 
-def _claim(app: Any, pool: str, limit: int) -> list[str]:
+def _claim(app: Any, pool: str, limit: int, worker: str = "w1") -> list[ClaimedWork]:
     store = app.store
-    return [w.id for w in store.run(lambda tx: store.claim(tx, pool, limit, "w1", time.time()))]
+    return list(store.run(lambda tx: store.claim(tx, pool, limit, worker, time.time())))
 
 
-def test_a_claim_of_a_burst_smaller_than_itself_leaves_the_other_workers_their_share(app):
-    """Where the store splits claims (PostgreSQL), a claim that finds fewer due rows
-    than it may take, Store.claim_split_min or more, takes the due rows over the
-    live workers that serve the pool (rounded up, and at least
-    Store.claim_least_share); fewer due rows than that, or at least as many as it may take,
-    and it takes what it may. Workers of other pools and expired ones do not count.
-    Elsewhere (SQLite) a claim takes all it may."""
+def _finish(app: Any, works: list[ClaimedWork], worker: str = "w1") -> None:
+    """The attempts ``works`` succeeded, as their worker records them."""
+    store = app.store
+    items = [
+        (w.id, w.attempt, success_json("null"), w.pool, w.started_at, w.place, "running")
+        for w in works
+    ]
+    done = store.run(lambda tx: store.finish_succeeded(tx, items, time.time(), worker))()
+    assert len(done) == len(works)
+
+
+def test_a_claim_of_a_burst_smaller_than_itself_takes_its_workers_share(app):
+    """A claim that finds fewer due rows than it may take, CLAIM_SPLIT_MIN or more,
+    takes what brings its worker to its share of the pool's work in hand: the due
+    and running rows over the live workers that serve the pool, rounded up. Workers
+    of other pools and expired ones do not count. Fewer due rows than that, or at
+    least as many as it may take, and it takes what it may. The same on both stores."""
+    assert CLAIM_SPLIT_MIN == 128
     _register_noop(app)
     pool = app.pool("burst", max_parallelism=100_000)
     pool.stats()  # the store made
-    split = app.store.claim_split_min
     _live(app, "w1", ["burst"])
     _live(app, "w2", [])  # serves every pool
     _live(app, "other", ["elsewhere"])
     _live(app, "expired", [], ttl=-1.0)
     ids = pool.enqueue_action_batch("noop", [{} for _ in range(300)])
 
-    claims = [_claim(app, "burst", 1000) for _ in range(4)]
-    assert sorted(i for claim in claims for i in claim) == sorted(ids)
-    sizes = [len(claim) for claim in claims]
-    if split is None:
-        assert sizes == [300, 0, 0, 0]
-    else:
-        assert (split, app.store.claim_least_share) == (128, 32)
-        assert sizes == [150, 75, 75, 0]  # 150 left is split; 75 is under 128
+    first = _claim(app, "burst", 1000)
+    assert len(first) == 150  # 300 in hand over 2 live workers
+    assert _claim(app, "burst", 1000) == []  # w1 runs its share already
+    second = _claim(app, "burst", 1000, worker="w2")
+    assert len(second) == 150  # not half of the 150 left: w1's running rows count
+    assert sorted(w.id for w in first + second) == sorted(ids)
 
     # At least as many due as the claim may take: it takes what it may.
     pool.enqueue_action_batch("noop", [{} for _ in range(300)])
-    assert len(_claim(app, "burst", 100)) == 100
-    # Ten workers more: a share of 200 would be 17 rows, and a claim takes at least 32.
+    assert len(_claim(app, "burst", 100, worker="w3")) == 100
+    # Ten workers more: 200 due and 400 running over 12 is 50 a worker.
     for i in range(10):
         _live(app, f"ghost{i}", ["burst"])
-    assert len(_claim(app, "burst", 1000)) == (200 if split is None else 32)
+    assert len(_claim(app, "burst", 1000, worker="w4")) == 50
+    # Under CLAIM_SPLIT_MIN due: all of them.
+    small = app.pool("small", max_parallelism=100_000)
+    small.enqueue_action_batch("noop", [{} for _ in range(127)])
+    assert len(_claim(app, "small", 1000)) == 127
 
 
-def test_a_worker_whose_claim_left_rows_to_the_others_claims_again_at_once(app):
-    """The claim's answer says more may be claimable when it got fewer rows than
-    it asked but a split claim's least share or more: the dispatcher claims again
-    at once, so rows that the other workers do not take start without waiting for
-    a record or the idle poll. Short claims of a few rows do not say so."""
+def test_a_worker_whose_peers_are_busy_takes_the_whole_burst(app):
+    """The others' running rows count in the share: a worker whose peers run work
+    of the pool takes a burst that its share covers, where with idle peers it would
+    take half."""
+    _register_noop(app)
+    pool = app.pool("busy", max_parallelism=100_000)
+    pool.stats()  # the store made
+    _live(app, "w1", [])
+    _live(app, "w2", [])
+    pool.enqueue_action_batch("noop", [{} for _ in range(400)])
+    assert len(_claim(app, "busy", 400, worker="w2")) == 400
+    pool.enqueue_action_batch("noop", [{} for _ in range(300)])
+    assert len(_claim(app, "busy", 1000)) == 300  # a share of (300 + 400) / 2 = 350
+
+
+def test_rows_left_to_a_worker_that_does_not_claim_them_run_on_the_others(app):
+    """A claim that took its share does not ask to claim again at once: the rest is
+    the other workers'. One that never claims them (alive, but stuck) only delays
+    them: each of this worker's next claims, after its attempts end, takes its share
+    of what is left, and the last ones, under CLAIM_SPLIT_MIN, whole."""
     _register_noop(app)
     pool = app.pool("burst", max_parallelism=100_000)
     store = app.store
-    pool.enqueue_action_batch("noop", [{} for _ in range(300)])
+    ids = pool.enqueue_action_batch("noop", [{} for _ in range(300)])
     worker = Worker(store, app.registry, WorkerOptions(pools=["burst"], concurrency=1000))
     worker.configs = {c.name: c for c in store.run(store.load_pools, readonly=True)}
     _live(app, worker.info.id, ["burst"])
-    _live(app, "busy", ["burst"])  # a live worker that takes nothing
+    _live(app, "stuck", ["burst"])  # a live worker that takes nothing
 
-    def claim() -> tuple[int, bool]:
+    def claim() -> tuple[list[ClaimedWork], bool]:
         claimed, more = store.run(lambda tx: worker._claim_in(tx, free=1000))()
-        return len(claimed), more
+        return claimed, more
 
-    if store.claim_split_min is None:
-        assert claim() == (300, False)
-    else:
-        rounds = []
-        while (got := claim())[1]:
-            rounds.append(got)
-        assert rounds == [(150, True), (75, True), (75, True)] and got == (0, False)
-    pool.enqueue_action_batch("noop", [{} for _ in range(3)])
-    assert claim() == (3, False)
+    rounds = []
+    while True:
+        claimed, more = claim()
+        assert not more
+        if not claimed:
+            assert len(rounds) < 4  # after a claim that took its share, not before
+            _finish(app, [w for got in rounds[-1:] for w in got], worker=worker.info.id)
+            claimed, more = claim()
+            if not claimed:
+                break
+        rounds.append(claimed)
+    assert [len(got) for got in rounds] == [150, 75, 75]
+    assert sorted(w.id for got in rounds for w in got) == sorted(ids)
 
 
 def test_a_claim_from_many_pools_takes_its_share_of_each(app):
     """The claim of several pools at once (one statement on PostgreSQL) splits each
-    pool as a claim of one pool does: a burst of 128 or more leaves the other
-    workers their share, a smaller one is taken whole."""
+    pool as a claim of one pool does: a burst of CLAIM_SPLIT_MIN or more leaves the
+    other workers their share, a smaller one is taken whole."""
     _register_noop(app)
     big, small = (
         app.pool("big", max_parallelism=100_000),
@@ -768,13 +801,11 @@ def test_a_claim_from_many_pools_takes_its_share_of_each(app):
     _live(app, "w2", ["big", "small"])
     store = app.store
 
-    def claim() -> dict[str, int]:
+    def claim(worker: str) -> dict[str, int]:
         asks = {"big": 1000, "small": 1000}
-        got = store.run(lambda tx: store.claim_many_later(tx, asks, "w1", time.time()))()
+        got = store.run(lambda tx: store.claim_many_later(tx, asks, worker, time.time()))()
         return {pool: len(works) for pool, works in got.items()}
 
-    if store.claim_split_min is None:
-        assert claim() == {"big": 300, "small": 50}
-    else:
-        assert claim() == {"big": 150, "small": 50}
-        assert claim() == {"big": 75, "small": 0}
+    assert claim("w1") == {"big": 150, "small": 50}
+    assert claim("w1") == {"big": 0, "small": 0}
+    assert claim("w2") == {"big": 150, "small": 0}

@@ -497,7 +497,6 @@ class Worker:
         if unfilled:
             self.store.notify(tx, unfilled)
         skipped = any(n > 0 and p not in asks for p, n in rooms.items())
-        split = self.store.claim_least_share
 
         def answer() -> tuple[list[ClaimedWork], bool]:
             by_pool = claims()
@@ -507,15 +506,10 @@ class Worker:
                 self.configs = {c.name: c for c in configs()}
             # More may be due in a pool that gave all it was asked while it had room
             # for more (the share or the batch cap stopped it), that the store's
-            # limit on a claim's bytes of args stopped, whose claim took its share
-            # and left the rest to other workers (it got at least the store's
-            # claim_least_share), or that got no share.
+            # limit on a claim's bytes of args stopped, or that got no share. (A
+            # claim that took its share of a burst left the rest to the others.)
             cut = any(
-                len(works) == n < rooms[p]
-                or (
-                    len(works) < n
-                    and (self.store.claim_cut(works) or (split is not None and len(works) >= split))
-                )
+                len(works) == n < rooms[p] or (len(works) < n and self.store.claim_cut(works))
                 for p, n, works in got
             )
             short = len(claimed) < free and (skipped or cut)

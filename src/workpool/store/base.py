@@ -540,18 +540,6 @@ class Store(abc.ABC):
     # both. On SQLite a bigger transaction holds the one write lock longer: 1,024
     # drained no faster, 2,048 slowed the on_complete drain.
     worker_batch: int = 512
-    # A claim that finds fewer due rows than it asked for, but this many or more, may
-    # take only its share of them, at least ``claim_least_share``, and leave the rest
-    # to the other workers that serve the pool (None: it takes all). A worker whose
-    # claim got fewer than it asked, but that least share or more, claims again at once.
-    claim_split_min: int | None = None
-
-    @property
-    def claim_least_share(self) -> int | None:
-        """The fewest rows a split claim takes (``claim_split_min``): a quarter of
-        it, so that a claim that got this many may have left rows to others."""
-        return None if self.claim_split_min is None else self.claim_split_min // 4
-
     # A claim takes a lock that every writer needs (SQLite's single write lock), so
     # a worker whose last claim found nothing reads claimable() before the next.
     look_before_claim: bool = False

@@ -40,7 +40,7 @@ from workpool.store.base import (
 )
 from workpool.store.fds import InputWait, readable
 from workpool.store.postgres.migrations import MIGRATIONS
-from workpool.store.sql import SqlStore, check_schema
+from workpool.store.sql import CLAIM_SPLIT_MIN, SqlStore, check_schema
 from workpool.store.sql_reads import ACTIVE_COLUMNS, active_row, storable
 from workpool.store.url import whole_number
 
@@ -48,11 +48,6 @@ from workpool.store.url import whole_number
 # took every due row of a pool of big payloads would read and decode them all on
 # its own while the other workers' slots stayed empty; small args never reach it.
 CLAIM_BYTES = 4_000_000
-# A claim that finds fewer due rows than it may take, but at least this many, takes
-# its share of them: the rows over the live workers that serve the pool, rounded up,
-# and at least Store.claim_least_share (``_pick``). Below it, a claim takes all: a
-# few rows split would save less than the other workers' claims of them cost.
-CLAIM_SPLIT_MIN = 128
 # A claim returns a row's args and context itself up to this many bytes together;
 # bigger ones it leaves out, to be read after its COMMIT. The claim lock is held
 # until then: a claim of 3 rows of 800 KB args and 800 KB context took 10-13 ms
@@ -226,6 +221,7 @@ class PostgresStore(SqlStore):
     param = "%s"
     for_update = " FOR UPDATE"
     skip_locked = " FOR UPDATE SKIP LOCKED"
+    greatest = "GREATEST"
     place = "ctid::text"
     savepoints_cost = True  # SAVEPOINT and RELEASE: a round trip each
     streams_inserts = True
@@ -235,9 +231,6 @@ class PostgresStore(SqlStore):
     # the COMMIT, the client's work between two of them) is shared by twice the
     # jobs. A claim of 1,024 takes 9-10 ms (512: 5.5), holding the pool's claim lock.
     worker_batch = 1024
-    # A claim that would take every due row, CLAIM_SPLIT_MIN or more, takes its share
-    # of them (``_pick``), so a burst smaller than a batch runs on every worker.
-    claim_split_min = CLAIM_SPLIT_MIN
 
     def __init__(self, url: str, *, schema: str = "workpool") -> None:
         super().__init__()
@@ -688,12 +681,9 @@ class PostgresStore(SqlStore):
         statements. The name carries a hash of the definition: processes of two
         versions side by side each call their own.
         """
-        tids = self._pick("%s", self._room("%s::int", "%s"))
+        tids = self._pick("p_pool", self._room("p_limit", "p_pool"), "p_worker", "p_now")
         claim = self._sql(self._CLAIM % (f"ctid = ANY(ARRAY({tids}))", self._RETURNED))
-        # The placeholders in order: the UPDATE's, then the pick's (see _pick): its
-        # room, its pool and due time, and its count of the live workers.
-        update, room = ("p_worker", "p_now"), ("p_limit", "p_pool", "p_pool")
-        names = iter((*update, *room, "p_pool", "p_now", "p_now", "p_pool"))
+        names = iter(("p_worker", "p_now"))  # the UPDATE's placeholders
         claim = re.sub("%s", lambda _: next(names), claim)
         body = (
             "(p_schema text, p_pool text, p_limit integer, p_worker text,"
@@ -824,39 +814,39 @@ class PostgresStore(SqlStore):
 
         return self._with_payloads(rows, read)
 
-    def _pick(self, pool: str, free: str) -> str:
+    def _pick(self, pool: str, free: str, worker: str, now: str) -> str:
         """SQL for where the rows a claim takes from ``pool`` are (their ctid): its
         next due pending rows, at most ``free``, and after the first only while their
         args (and contexts, which a claim reads for a handler) stay within
         ``CLAIM_BYTES`` (``octet_length`` reads a stored value's size, not the
-        value). Both arguments are SQL; ``free`` comes first, then ``pool`` and a
-        placeholder for ``now``, then the two again (the live workers' count).
+        value). The arguments are SQL (columns, or parameters: ``now`` twice, then
+        ``worker``, then ``now``).
 
-        When fewer rows are due than ``free``, CLAIM_SPLIT_MIN or more, it takes its
-        share: the due rows over the live workers that serve the pool, rounded up,
-        and at least ``claim_least_share``. A burst smaller than a claim then
-        runs on every worker, not on the one that claimed first: two workers, 1,000
-        jobs that fail twice and then succeed, 3.3k -> 3.8k jobs/s (medians of 18
-        alternated trials). The rows it locks and leaves are free again at its
-        COMMIT, before the next claim of the pool takes its lock."""
+        When fewer rows are due than ``free``, CLAIM_SPLIT_MIN or more, it takes only
+        its worker's share of them (``SqlStore._share``): the rows picked go into one
+        array with their count, and the share, whose counts of running rows and live
+        workers run only where the claim splits, cuts it once per pool. The rows it
+        leaves are free again at its COMMIT, before the next claim of the pool takes
+        its lock."""
         s = self.table_prefix
-        workers = (
-            f"(SELECT count(*) FROM {s}workers WHERE expires_at > %s"
-            f" AND (pools = '' OR {pool} = ANY(string_to_array(pools, ','))))"
+        running = f"(SELECT count(*) FROM {s}work WHERE pool = {pool} AND state = 'running'"
+        live = (
+            f"GREATEST((SELECT count(*) FROM {s}workers WHERE expires_at > {now}"
+            f" AND (pools = '' OR {pool} = ANY(string_to_array(pools, ',')))), 1)"
         )
+        mine = f"{running} AND worker_id = {worker})"
+        share = self._share("g.total", f"{running})", mine, live)
         return (
-            f"SELECT d.tid FROM (SELECT {free} AS lim) l, LATERAL (SELECT tid,"
-            " sum(size) OVER w - size AS before, row_number() OVER w AS n,"
-            " count(*) OVER () AS total FROM (SELECT id,"
-            " ctid AS tid, due_at, coalesce(payload_bytes, octet_length(args) + CASE WHEN"
-            " on_complete IS NULL THEN 0 ELSE coalesce(octet_length(context), 0) END) AS size"
-            f" FROM {s}work WHERE pool = {pool}"
-            " AND state = 'pending' AND due_at <= %s ORDER BY due_at, id"
-            f" LIMIT l.lim{self.skip_locked}) c"
-            " WINDOW w AS (ORDER BY due_at, id ROWS UNBOUNDED PRECEDING)) d"
-            f" WHERE d.before < {CLAIM_BYTES} AND (d.total < {self.claim_split_min}"
-            " OR d.total >= l.lim OR d.n <= GREATEST(ceil(d.total::float8"
-            f" / GREATEST({workers}, 1)), {self.claim_least_share}))"
+            f"SELECT unnest(CASE WHEN g.total < {CLAIM_SPLIT_MIN} OR g.total >= g.lim"
+            f" THEN g.tids ELSE g.tids[1:{share}::int] END) AS tid FROM (SELECT"
+            f" array_agg(d.tid) FILTER (WHERE d.before < {CLAIM_BYTES}) AS tids,"
+            f" count(*) AS total, min(d.lim) AS lim FROM (SELECT {free} AS lim) l,"
+            " LATERAL (SELECT l.lim, tid, sum(size) OVER (ORDER BY due_at, id ROWS"
+            " UNBOUNDED PRECEDING) - size AS before FROM (SELECT id, ctid AS tid, due_at,"
+            " coalesce(payload_bytes, octet_length(args) + CASE WHEN on_complete IS NULL"
+            " THEN 0 ELSE coalesce(octet_length(context), 0) END) AS size"
+            f" FROM {s}work WHERE pool = {pool} AND state = 'pending' AND due_at <= {now}"
+            f" ORDER BY due_at, id LIMIT l.lim{self.skip_locked}) c) d) g"
         )
 
     def claim_cut(self, claimed: Sequence[ClaimedWork]) -> bool:
@@ -896,12 +886,13 @@ class PostgresStore(SqlStore):
             (self.schema, names_param),
         )
         free = self._room("a.n", "a.pool")
-        tids = (
-            f"SELECT c.tid FROM unnest({names}, {limits}) AS a(pool, n),"
-            f" LATERAL ({self._pick('a.pool', free)}) c"
-        )
+        pick = self._pick("a.pool", free, "%s", "%s")
+        tids = f"SELECT c.tid FROM unnest({names}, {limits}) AS a(pool, n), LATERAL ({pick}) c"
         sql = self._sql(self._CLAIM % (f"ctid = ANY(ARRAY({tids}))", self._RETURNED) + ", pool")
-        claim = tx.defer(sql, (worker_id, now, names_param, limits_param, now, now), rows=True)
+        # The UPDATE's worker and time, the pools and what each is asked, then the
+        # pick's (see _pick): now twice, the worker, now.
+        params = (worker_id, now, names_param, limits_param, now, now, worker_id, now)
+        claim = tx.defer(sql, params, rows=True)
 
         def answer() -> dict[str, list[ClaimedWork]]:
             got: dict[str, list[ClaimedWork]] = {p: [] for p in pools}

@@ -29,7 +29,7 @@ from workpool.store.base import (
     WouldWait,
     minute_of,
 )
-from workpool.store.sql import SqlStore, check_schema
+from workpool.store.sql import CLAIM_SPLIT_MIN, SqlStore, check_schema
 from workpool.store.sql_reads import IN_CHUNK, RECORDABLE_IN, storable
 from workpool.store.sqlite.migrations import MIGRATIONS
 from workpool.store.sqlite.wal_bell import WalBell
@@ -600,12 +600,27 @@ class SqliteStore(SqlStore):
         " max_parallelism FROM {s}pools WHERE name = ?), 0) - (SELECT count(*) FROM"
         " {s}work WHERE pool = ? AND state = 'running')), 0)"
     )
+    # How many of the n rows a pick found a claim takes (SqlStore._share), asked only
+    # where n is CLAIM_SPLIT_MIN or more but fewer than the claim asked for: all n
+    # if the pool's room stopped the pick, else its worker's share. In the write
+    # lock, as the pick. Parameters: n, the ask, the pool, n, n, the worker, the
+    # pool, now, the pool.
+    _SHARE = (
+        "SELECT CASE WHEN ? >= min(?, coalesce((SELECT max_parallelism FROM {s}pools"
+        " WHERE name = ?), 0) - r.n) THEN ? ELSE"
+        f" {SqlStore._share('?', 'r.n', 'r.mine', 'w.live')} END FROM (SELECT count(*) AS n,"
+        " count(CASE WHEN worker_id = ? THEN 1 END) AS mine FROM {s}work WHERE pool = ?"
+        " AND state = 'running') r, (SELECT max(count(*), 1) AS live FROM {s}workers"
+        " WHERE expires_at > ? AND (pools = '' OR instr(',' || pools || ',', ',' || ? || ',')"
+        " > 0)) w"
+    )
     _PAYLOADS_AND_PLACE = "CASE WHEN on_complete IS NOT NULL THEN context END, args, rowid"
     _SQLITE_CLAIM = SqlStore._CLAIM % (f"rowid IN ({_PICK_ROWIDS})", _PAYLOADS_AND_PLACE)
 
     # The claim that waits for the COMMIT (_claim_rows), in three statements: the
-    # pick as one JSON array, the UPDATE by it, and after the COMMIT the rows.
-    _PICK = f"SELECT json_group_array(rowid) FROM ({_PICK_ROWIDS})"
+    # pick as one JSON array and its count, the UPDATE by it, and after the COMMIT
+    # the rows.
+    _PICK = f"SELECT json_group_array(rowid), count(*) FROM ({_PICK_ROWIDS})"
     _CLAIM_AT = SqlStore._CLAIM.split(" RETURNING")[0] % (
         "rowid IN (SELECT value FROM json_each(?))"
     )
@@ -630,12 +645,13 @@ class SqliteStore(SqlStore):
         # lock, held from that count to the commit, and only claims add running rows,
         # so nobody can raise the count before we commit (completions only lower it).
         params = (worker_id, now, pool, now, limit, pool, pool)
-        if not at_commit:
-            rows = self._payloads_of(tx, self.q(tx, self._SQLITE_CLAIM, params).fetchall())
-            return lambda: rows
         if limit <= SMALL_CLAIM or not self._has_json(tx):
             # A claim of a few (a slot handed over, a record at a pool's limit) returns
-            # its rows itself: a statement in the lock instead of three in all.
+            # its rows itself: a statement in the lock instead of three in all. (Without
+            # SQLite's JSON functions every claim goes so, and never splits a burst.)
+            if not at_commit:
+                rows = self._payloads_of(tx, self.q(tx, self._SQLITE_CLAIM, params).fetchall())
+                return lambda: rows
             claimed = tx.defer(self._sql(self._SQLITE_CLAIM), params, rows=True)
             return lambda: self._payloads_of(None, claimed.rows)
         # In the write lock only what must be: the pick (its rowids as one JSON array,
@@ -654,11 +670,21 @@ class SqliteStore(SqlStore):
         reader = tx.raw  # not .connection: that would BEGIN, taking the write lock now
 
         def claim(conn: sqlite3.Connection) -> None:
-            rowids = conn.execute(self._sql(self._PICK), params[2:]).fetchone()[0]
-            if rowids != "[]":
+            rowids, found = conn.execute(self._sql(self._PICK), params[2:]).fetchone()
+            if CLAIM_SPLIT_MIN <= found < limit:
+                share = (found, limit, pool, found, found, worker_id, pool, now, pool)
+                took = conn.execute(self._sql(self._SHARE), share).fetchone()[0]
+                if took < found:
+                    rowids, found = json.dumps(json.loads(rowids)[:took]), took
+            if found:
                 conn.execute(self._sql(self._CLAIM_AT), (worker_id, now, rowids))
                 picked.append(rowids)
 
+        if not at_commit:
+            claim(tx.connection)
+            got = self.q(tx, self._CLAIMED, (picked[0], worker_id, now)) if picked else None
+            rows = self._payloads_of(tx, got.fetchall() if got is not None else [])
+            return lambda: rows
         self._at_commit(tx, claim)
         read: list[list[Any]] = []
 
