@@ -540,6 +540,7 @@ class Store(abc.ABC):
     # both. On SQLite a bigger transaction holds the one write lock longer: 1,024
     # drained no faster, 2,048 slowed the on_complete drain.
     worker_batch: int = 512
+
     # A claim takes a lock that every writer needs (SQLite's single write lock), so
     # a worker whose last claim found nothing reads claimable() before the next.
     look_before_claim: bool = False
