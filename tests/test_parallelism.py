@@ -753,6 +753,19 @@ def test_a_worker_whose_peers_are_busy_takes_the_whole_burst(app):
     assert len(_claim(app, "busy", 1000)) == 300  # a share of (300 + 400) / 2 = 350
 
 
+def test_a_claim_stopped_by_the_pools_limit_takes_all_the_limit_leaves(app):
+    """Where the pool's limit, not the due rows, stops a claim, there is no burst to
+    share: the claim takes all the limit leaves, as any claim at a limit does."""
+    _register_noop(app)
+    pool = app.pool("capped", max_parallelism=200)
+    pool.stats()  # the store made
+    _live(app, "w1", [])
+    _live(app, "w2", [])
+    pool.enqueue_action_batch("noop", [{} for _ in range(300)])
+    assert len(_claim(app, "capped", 1000)) == 200  # not a share of 300 over 2
+    assert _claim(app, "capped", 1000, worker="w2") == []
+
+
 def test_rows_left_to_a_worker_that_does_not_claim_them_run_on_the_others(app):
     """A claim that took its share does not ask to claim again at once: the rest is
     the other workers'. One that never claims them (alive, but stuck) only delays
