@@ -386,12 +386,22 @@ class Handing:
 
 
 @dataclass(frozen=True, slots=True)
-class FinishedRow:
-    id: str
+class ActiveStatus:
+    """The columns of an active row that ``status`` answers from, and no more: with
+    the whole row (18 columns) a ``status()`` took 0.26 ms on PostgreSQL and 0.022 on
+    SQLite, with these 0.21 and 0.020 (200 ids on a 10k backlog, alternated runs)."""
+
     pool: str
+    state: str
+    attempt: int
+    due_at: float
+    last_error: str | None
+    started_at: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedRow:
     result: str  # JSON
-    attempts: int
-    finished_at: float
     handler_error: str | None
 
 
@@ -401,7 +411,7 @@ class StatusRow:
     For a pending row, ``occupancy``: its pool's running attempts and stored
     max_parallelism (None: no config), read with it."""
 
-    active: ActiveWork | None = None
+    active: ActiveStatus | None = None
     finished: FinishedRow | None = None
     occupancy: tuple[int, int | None] | None = None
 

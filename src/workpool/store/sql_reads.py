@@ -10,7 +10,15 @@ from workpool.core import histogram
 from workpool.core.results import WorkInfo, result_from_json
 from workpool.core.retry import RetryBehavior
 from workpool.core.states import RECORDABLE
-from workpool.store.base import ActiveWork, Counters, FinishedRow, PoolCounts, StatusRow, Tx
+from workpool.store.base import (
+    ActiveStatus,
+    ActiveWork,
+    Counters,
+    FinishedRow,
+    PoolCounts,
+    StatusRow,
+    Tx,
+)
 
 IN_CHUNK = 500  # ids per IN (...) list: well under SQLite's variable limit
 # Rows whose attempt's outcome may still be recorded (``RECORDABLE``: running, or
@@ -23,8 +31,9 @@ ACTIVE_COLUMNS = (
     " {context_w}, w.cancel_requested, w.enqueued_at, w.due_at, w.result,"
     " w.handler_failures, w.lost_count, w.last_error, w.worker_id, w.started_at"
 )
-# A status needs no context: it may be big, and on SQLite it is another table.
-STATUS_COLUMNS = ACTIVE_COLUMNS.replace("{context_w}", "NULL")
+# What a status answers with, of an active row (``ActiveStatus``), then of a
+# finished one: the two halves of a status read's rows.
+STATUS_COLUMNS = "w.id, w.pool, w.state, w.attempt, w.due_at, w.last_error, w.started_at"
 HIST_COLUMNS = tuple(f"lag_h{i}" for i in range(len(histogram.LAG_BOUNDS)))
 
 
@@ -215,10 +224,9 @@ class SqlReads:
                 " WHERE r.pool = p.pool AND r.state = 'running') AS running,"
                 " (SELECT c.max_parallelism FROM {s}pools c WHERE c.name = p.pool) AS lim"
                 " FROM (SELECT DISTINCT pool FROM a WHERE state = 'pending') p)"
-                f" SELECT 'a', a.*, o.running, o.lim, {_nulls(4)}"
+                " SELECT 'a', a.*, o.running, o.lim, NULL, NULL"
                 " FROM a LEFT JOIN o ON o.pool = a.pool"
-                f" UNION ALL SELECT 'f', f.id, f.pool, {_nulls(18)},"
-                " f.result, f.attempts, f.finished_at, f.handler_error"
+                f" UNION ALL SELECT 'f', f.id, {_nulls(8)}, f.result, f.handler_error"
                 f" FROM {{s}}finished f WHERE {done}",
                 [*active_params, *done_params],
             ).fetchall()
@@ -233,9 +241,9 @@ class SqlReads:
         f"SELECT 'a', {STATUS_COLUMNS}, CASE WHEN w.state = 'pending' THEN (SELECT"
         " count(*) FROM {s}work r WHERE r.pool = w.pool AND r.state = 'running') END,"
         " CASE WHEN w.state = 'pending' THEN (SELECT c.max_parallelism FROM {s}pools c"
-        f" WHERE c.name = w.pool) END, {_nulls(4)} FROM {{s}}work w WHERE w.id = ?"
-        f" UNION ALL SELECT 'f', f.id, f.pool, {_nulls(18)}, f.result, f.attempts,"
-        " f.finished_at, f.handler_error FROM {s}finished f WHERE f.id = ?"
+        " WHERE c.name = w.pool) END, NULL, NULL FROM {s}work w WHERE w.id = ?"
+        f" UNION ALL SELECT 'f', f.id, {_nulls(8)}, f.result, f.handler_error"
+        " FROM {s}finished f WHERE f.id = ?"
     )
 
     @staticmethod
@@ -245,16 +253,20 @@ class SqlReads:
         for row in rows:
             if row[0] == "a":
                 occupancy = None
-                if row[19] is not None:
-                    occupancy = (int(row[19]), None if row[20] is None else int(row[20]))
-                found[row[1]] = StatusRow(active=active_row(row[1:19]), occupancy=occupancy)
+                if row[8] is not None:
+                    occupancy = (int(row[8]), None if row[9] is None else int(row[9]))
+                active = ActiveStatus(
+                    pool=row[2],
+                    state=row[3],
+                    attempt=int(row[4]),
+                    due_at=float(row[5]),
+                    last_error=row[6],
+                    started_at=None if row[7] is None else float(row[7]),
+                )
+                found[row[1]] = StatusRow(active=active, occupancy=occupancy)
         for row in rows:
             if row[0] == "f" and row[1] not in found:  # an active row comes first
-                found[row[1]] = StatusRow(
-                    finished=FinishedRow(
-                        row[1], row[2], row[21], int(row[22]), float(row[23]), row[24]
-                    )
-                )
+                found[row[1]] = StatusRow(finished=FinishedRow(row[10], row[11]))
 
     def add_counters(
         self, tx: Tx, pool: str, worker_id: str, bucket: int, counters: Counters
