@@ -388,8 +388,9 @@ class Handing:
 @dataclass(frozen=True, slots=True)
 class ActiveStatus:
     """The columns of an active row that ``status`` answers from, and no more: with
-    the whole row (18 columns) a ``status()`` took 0.26 ms on PostgreSQL and 0.022 on
-    SQLite, with these 0.21 and 0.020 (200 ids on a 10k backlog, alternated runs)."""
+    the whole row (18 columns) a ``status()`` took 0.255 ms on PostgreSQL and 0.0226
+    on SQLite, with these 0.208 and 0.0205 (200 ids on a 10k backlog, medians of
+    alternated runs)."""
 
     pool: str
     state: str

@@ -31,8 +31,8 @@ ACTIVE_COLUMNS = (
     " {context_w}, w.cancel_requested, w.enqueued_at, w.due_at, w.result,"
     " w.handler_failures, w.lost_count, w.last_error, w.worker_id, w.started_at"
 )
-# What a status answers with, of an active row (``ActiveStatus``), then of a
-# finished one: the two halves of a status read's rows.
+# Of an active row, what a status reads: its id, then ``ActiveStatus``. (Of a
+# finished row it reads the id, the result and the handler's error.)
 STATUS_COLUMNS = "w.id, w.pool, w.state, w.attempt, w.due_at, w.last_error, w.started_at"
 HIST_COLUMNS = tuple(f"lag_h{i}" for i in range(len(histogram.LAG_BOUNDS)))
 
