@@ -691,6 +691,17 @@ def _claim(app: Any, pool: str, limit: int, worker: str = "w1") -> list[ClaimedW
     return list(store.run(lambda tx: store.claim(tx, pool, limit, worker, time.time())))
 
 
+def _pool_of_two_workers(app: Any, name: str, max_parallelism: int) -> Any:
+    """A new pool of no-op actions, and two live workers, w1 and w2, that serve
+    every pool."""
+    _register_noop(app)
+    pool = app.pool(name, max_parallelism=max_parallelism)
+    pool.stats()  # the store made
+    _live(app, "w1", [])
+    _live(app, "w2", [])
+    return pool
+
+
 def _finish(app: Any, works: list[ClaimedWork], worker: str = "w1") -> None:
     """The attempts ``works`` succeeded, as their worker records them."""
     store = app.store
@@ -742,11 +753,7 @@ def test_a_worker_whose_peers_are_busy_takes_the_whole_burst(app):
     """The others' running rows count in the share: a worker whose peers run work
     of the pool takes a burst that its share covers, where with idle peers it would
     take half."""
-    _register_noop(app)
-    pool = app.pool("busy", max_parallelism=100_000)
-    pool.stats()  # the store made
-    _live(app, "w1", [])
-    _live(app, "w2", [])
+    pool = _pool_of_two_workers(app, "busy", 100_000)
     pool.enqueue_action_batch("noop", [{} for _ in range(400)])
     assert len(_claim(app, "busy", 400, worker="w2")) == 400
     pool.enqueue_action_batch("noop", [{} for _ in range(300)])
@@ -756,11 +763,7 @@ def test_a_worker_whose_peers_are_busy_takes_the_whole_burst(app):
 def test_a_claim_stopped_by_the_pools_limit_takes_all_the_limit_leaves(app):
     """Where the pool's limit, not the due rows, stops a claim, there is no burst to
     share: the claim takes all the limit leaves, as any claim at a limit does."""
-    _register_noop(app)
-    pool = app.pool("capped", max_parallelism=200)
-    pool.stats()  # the store made
-    _live(app, "w1", [])
-    _live(app, "w2", [])
+    pool = _pool_of_two_workers(app, "capped", 200)
     pool.enqueue_action_batch("noop", [{} for _ in range(300)])
     assert len(_claim(app, "capped", 1000)) == 200  # not a share of 300 over 2
     assert _claim(app, "capped", 1000, worker="w2") == []
