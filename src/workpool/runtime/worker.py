@@ -403,6 +403,7 @@ class Worker:
             for work in claimed:
                 deadline = None if work.timeout is None else now + work.timeout
                 self._inflight[(work.id, work.attempt)] = _InFlight(work, deadline)
+        self.maintenance.nudge()  # its timeouts are enforced at a stirred worker's pace
         levels = {pool: self.pool_level(pool) for pool in {work.pool for work in claimed}}
         logged = {p: level for p, level in levels.items() if events.shown(logging.INFO, level)}
         executor = self.executor
@@ -581,6 +582,7 @@ class Worker:
                 if watcher.wait(SHORT_POLL_S if watcher.polls else IDLE_POLL_S):
                     self.stirred_at = time.monotonic()
                     self.wake.set()
+                    self.maintenance.nudge()
             except Exception as exc:
                 events.worker_event("watch_failed", 30, error=describe_error(exc))
                 self.stopping.wait(1.0)
