@@ -515,7 +515,10 @@ class SqlStore(SqlReads, Store):
         names = [] if pools is None else storable(pools)
         if pools is not None and not names:
             return None
-        where = "" if pools is None else f" AND p.name IN ({', '.join('?' * len(names))})"
+        where = ""
+        if pools is not None:
+            match, names = self._id_in("p.name", names)
+            where = f" AND {match}"
         sql = (
             " FROM {s}pools p WHERE p.max_parallelism > 0"
             + where
@@ -622,41 +625,43 @@ class SqlStore(SqlReads, Store):
     def due_handlers(
         self, tx: Tx, pools: Sequence[str], now: float, limit: int
     ) -> list[ActiveWork]:
-        marks = ", ".join("?" * len(pools))
+        match, names = self._id_in("pool", pools)
         rows = self.q(
             tx,
             f"SELECT {ACTIVE_COLUMNS} FROM {{s}}work w WHERE state = 'completing' AND due_at <= ?"
-            f" AND pool IN ({marks}) ORDER BY due_at LIMIT ?" + self.skip_locked,
-            (now, *pools, limit),
+            f" AND {match} ORDER BY due_at LIMIT ?" + self.skip_locked,
+            (now, *names, limit),
         ).fetchall()
         return [active_row(r) for r in rows]
 
     def lost_work(self, tx: Tx, pools: Sequence[str], now: float, limit: int) -> list[ActiveWork]:
-        marks = ", ".join("?" * len(pools))
+        match, names = self._id_in("pool", pools)
         rows = self.q(
             tx,
             f"SELECT {ACTIVE_COLUMNS} FROM {{s}}work w WHERE state {RECORDABLE_IN}"
-            f" AND pool IN ({marks}) AND NOT EXISTS (SELECT 1 FROM {{s}}workers k"
+            f" AND {match} AND NOT EXISTS (SELECT 1 FROM {{s}}workers k"
             " WHERE k.id = w.worker_id AND k.expires_at > ?) LIMIT ?" + self.skip_locked,
-            (*pools, now, limit),
+            (*names, now, limit),
         ).fetchall()
         return [active_row(r) for r in rows]
 
     def maintenance_due(
         self, tx: Tx, pools: Sequence[str], now: float, *, lost: bool = True, within: float = 0.0
     ) -> tuple[bool, float | None]:
-        marks = ", ".join("?" * len(pools))
+        # The pools as one array on PostgreSQL (_id_in): a worker of 500 pools bound
+        # 1,000 parameters here twice a second, 2.4 ms of its CPU each time (0.2 ms).
+        match, names = self._id_in("pool", pools)
         lost_sql = (
             f"EXISTS (SELECT 1 FROM {{s}}work w WHERE state {RECORDABLE_IN}"
-            f" AND pool IN ({marks}) AND NOT EXISTS (SELECT 1 FROM {{s}}workers k"
+            f" AND {match} AND NOT EXISTS (SELECT 1 FROM {{s}}workers k"
             " WHERE k.id = w.worker_id AND k.expires_at > ?))"
         )
         row = self.q(
             tx,
             f"SELECT {lost_sql if lost else '0'},"
             " (SELECT min(due_at) FROM {s}work WHERE state = 'completing' AND due_at <= ?"
-            f" AND pool IN ({marks}))",
-            (*pools, now, now + within, *pools) if lost else (now + within, *pools),
+            f" AND {match})",
+            (*names, now, now + within, *names) if lost else (now + within, *names),
         ).fetchone()
         return bool(row[0]), None if row[1] is None else float(row[1])
 
@@ -668,12 +673,12 @@ class SqlStore(SqlReads, Store):
             return []
         # The pools put the (pool, state) index to use: without them this read scanned
         # the whole table, 83 ms at a million pending rows, every two seconds.
+        match, params = self._id_in("pool", names)
         rows = self.q(
             tx,
-            "SELECT id, attempt, started_at FROM {s}work WHERE pool IN"
-            f" ({', '.join('?' * len(names))}) AND state {RECORDABLE_IN}"
-            " AND worker_id = ?",
-            (*names, worker_id),
+            f"SELECT id, attempt, started_at FROM {{s}}work WHERE {match}"
+            f" AND state {RECORDABLE_IN} AND worker_id = ?",
+            (*params, worker_id),
         ).fetchall()
         return [(r[0], int(r[1]), float(r[2])) for r in rows]
 

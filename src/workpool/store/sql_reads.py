@@ -108,8 +108,8 @@ class SqlReads:
     ids_per_read: ClassVar[int] = IN_CHUNK
 
     def _id_in(self, column: str, ids: Sequence[str]) -> tuple[str, list[Any]]:
-        """``column`` matching one of ``ids`` (at most ``ids_per_read``), and its
-        parameters."""
+        """``column`` matching one of ``ids`` (at most ``ids_per_read``; or of pool
+        names), and its parameters."""
         return f"{column} IN ({', '.join('?' * len(ids))})", list(ids)
 
     def _id_chunks(self, ids: Sequence[str]) -> list[Sequence[str]]:
@@ -363,8 +363,6 @@ class SqlReads:
         return PoolCounts(*(int(n) for n in row))
 
     def active_count(self, tx: Tx, pools: Sequence[str]) -> int:
-        marks = ", ".join("?" * len(pools))
-        row = self.q(
-            tx, f"SELECT count(*) FROM {{s}}work WHERE pool IN ({marks})", list(pools)
-        ).fetchone()
+        match, names = self._id_in("pool", pools)
+        row = self.q(tx, f"SELECT count(*) FROM {{s}}work WHERE {match}", names).fetchone()
         return int(row[0])
