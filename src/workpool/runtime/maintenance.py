@@ -119,17 +119,20 @@ class Maintenance:
         if self._resting:
             self._nudge.set()
 
+    def _quiet(self) -> bool:
+        """No change of the worker's pools seen, and nothing started, for QUIET_S."""
+        return time.monotonic() - self.worker.stirred_at >= QUIET_S
+
     def _sleep_time(self) -> float:
         """TICK_S; for a resting worker (quiet, nothing in flight or unrecorded), the
         time until its next duty is due, up to QUIET_TICK_S."""
         # Set before the look at stirred_at: a stir after that look sees it and nudges.
         self._resting = True
-        worker = self.worker
-        if time.monotonic() - worker.stirred_at < QUIET_S or worker.inflight_keys():
+        if not self._quiet() or self.worker.inflight_keys():
             self._resting = False
             return TICK_S
         due = min(*self._next.values(), self._handlers_at, self._handlers_read + HANDLERS_QUIET_S)
-        return min(max(due - worker.clock(), TICK_S), QUIET_TICK_S)
+        return min(max(due - self.worker.clock(), TICK_S), QUIET_TICK_S)
 
     def run(self) -> None:
         # The first round waits a tick: the worker has just heartbeaten, nothing else
@@ -162,7 +165,7 @@ class Maintenance:
 
     def tick(self, now: float) -> None:
         self.worker.expire_timeouts()
-        quiet = time.monotonic() - self.worker.stirred_at >= QUIET_S
+        quiet = self._quiet()
         if self._due("heartbeat", now, self.worker.options.lease / 3):
             self.heartbeat(now)
         if self._due("checkpoint", now, CHECKPOINT_QUIET_S if quiet else CHECKPOINT_EVERY_S):
