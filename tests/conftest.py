@@ -12,7 +12,8 @@ fresh PostgreSQL schema.  PostgreSQL comes from, in order:
 
 Helpers (import them with ``from conftest import ...``):
 ``ph(app)``, ``wait_for(predicate, timeout)``, ``run_until_idle(app, ...)``,
-``background_worker(app, ...)``, ``UserTable`` and the ``user_table`` fixture.
+``background_worker(app, ...)``, ``calls_at_rest(calls, settle)``, ``UserTable``
+and the ``user_table`` fixture.
 """
 
 from __future__ import annotations
@@ -267,6 +268,15 @@ def _app_url(app: Any) -> str:
     if isinstance(value, str):
         return value
     raise AssertionError("cannot tell the store of this App (no .url)")
+
+
+def calls_at_rest(calls: list[Any], settle: float, seconds: float = 2.0) -> int:
+    """How many of ``calls`` (a list some counted function appends to) a worker made
+    in ``seconds``, after ``settle`` seconds for it to fall quiet."""
+    time.sleep(settle)
+    calls.clear()
+    time.sleep(seconds)
+    return len(calls)
 
 
 def wait_for(

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import workpool
-from conftest import Recorder, background_worker, run_until_idle, wait_for
+from conftest import Recorder, background_worker, calls_at_rest, run_until_idle, wait_for
 from workpool import NonRetryableError, RetryBehavior
 
 pytestmark = pytest.mark.timeout(120)
@@ -815,10 +815,7 @@ def test_a_quiet_worker_looks_for_handler_retries_less_often_yet_runs_them_on_ti
 
     pool = app.pool("quiet")
     with background_worker(app, lease=15.0):  # heartbeats (SQLite: commits) 5 s apart
-        time.sleep(QUIET_S + 0.5)
-        looks.clear()
-        time.sleep(2.0)
-        quiet_looks = len(looks)
+        quiet_looks = calls_at_rest(looks, QUIET_S + 0.5)
         wid = pool.enqueue_action(quick, on_complete=flaky_handler)
         wait_for(lambda: pool.status(wid).state == "finished", timeout=10)
         time.sleep(QUIET_S + 0.5)  # quiet again

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 import workpool
-from conftest import background_worker, wait_for
+from conftest import background_worker, calls_at_rest, wait_for
 from workpool.store.sqlite.wal_bell import WalBell
 
 
@@ -287,10 +287,7 @@ def test_a_resting_workers_maintenance_wakes_twice_a_second_and_a_start_wakes_it
 
     pool = app.pool("resting")
     with background_worker(app, lease=15.0):  # heartbeats (SQLite: commits) 5 s apart
-        time.sleep(QUIET_S + 1.0)
-        rounds.clear()
-        time.sleep(2.0)
-        resting = len(rounds)
+        resting = calls_at_rest(rounds, QUIET_S + 1.0)
         wid = pool.enqueue_action(slow)
         wait_for(lambda: pool.status(wid).state == "finished", timeout=10)
     assert resting <= 2.0 / QUIET_TICK_S + 2, f"{resting} rounds in 2 s of rest"
@@ -306,9 +303,6 @@ def test_a_resting_worker_still_heartbeats_on_time(app: Any, monkeypatch: Any) -
     beats = _rounds(monkeypatch, "heartbeat")
     app.pool("resting").stats()
     with background_worker(app, lease=0.9):
-        time.sleep(QUIET_S + 1.0)
-        beats.clear()
-        time.sleep(2.0)
-        seen = len(beats)
+        seen = calls_at_rest(beats, QUIET_S + 1.0)
     # About 6.7 at 0.3 s apart; 4 at a resting round's 0.5 s.
     assert seen >= 5, f"{seen} heartbeats in 2 s, with a lease of 0.9 s"
