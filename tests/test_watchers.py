@@ -268,14 +268,14 @@ def _rounds(monkeypatch: Any, name: str) -> list[float]:
     return calls
 
 
-def test_a_resting_workers_maintenance_wakes_twice_a_second_and_a_start_wakes_it(
+def test_a_resting_workers_maintenance_wakes_once_a_second_and_a_start_wakes_it(
     app: Any, monkeypatch: Any
 ) -> None:
     """Quiet with nothing in flight, a worker's maintenance loop sleeps until its
-    next duty (its reads come half a second apart), not ten rounds a second: on
-    PostgreSQL that took an idle worker from 5.4 to 3.7 ms of CPU a second. A start
+    next duty (its reads come a second apart), not ten rounds a second: on
+    PostgreSQL that took an idle worker from 5.8 to 2.6 ms of CPU a second. A start
     wakes it, and it goes back to a tick's pace, which an attempt's timeout needs."""
-    from workpool.runtime.maintenance import QUIET_S, QUIET_TICK_S, TICK_S
+    from workpool.runtime.maintenance import QUIET_S, TICK_S
 
     rounds = _rounds(monkeypatch, "tick")
     started: list[float] = []
@@ -290,7 +290,8 @@ def test_a_resting_workers_maintenance_wakes_twice_a_second_and_a_start_wakes_it
         resting = calls_at_rest(rounds, QUIET_S + 1.0)
         wid = pool.enqueue_action(slow)
         wait_for(lambda: pool.status(wid).state == "finished", timeout=10)
-    assert resting <= 2.0 / QUIET_TICK_S + 2, f"{resting} rounds in 2 s of rest"
+    # A second apart, 2 or 3 rounds; half a second apart (round 51's), 4 or 5.
+    assert resting <= 3, f"{resting} rounds in 2 s of rest"
     busy = [t for t in rounds if started[0] <= t <= started[0] + 0.6]
     assert len(busy) >= 0.6 / TICK_S / 2, f"{len(busy)} rounds in the 0.6 s the attempt ran"
 

@@ -31,13 +31,19 @@ HANDLERS_EVERY_S = 0.1
 # its pool, which stirs the workers. Its upkeep reads slow down too. An idle worker
 # on PostgreSQL sent 21 statements a second, ten of them this look; now 11.
 QUIET_S = 1.0
-HANDLERS_QUIET_S = 0.5
+HANDLERS_QUIET_S = 1.0
 UPKEEP_QUIET_S = 1.0
+# A quiet worker reads its peers and looks for lost work this often: workers that
+# start or stop, and leases that run out, are seen within a second, not half of one.
+PEERS_QUIET_S = 1.0
+RESCUE_QUIET_S = 1.0
 # A quiet worker with nothing in flight has no timeouts to enforce, and its reads come
 # at least this far apart: its loop sleeps until the next one is due, this long at
 # most, and a stir (Maintenance.nudge) ends the sleep. An idle PostgreSQL worker's
-# process used 5.8-6.0 ms of CPU a second with ten rounds a second, 3.9-4.0 with two.
-QUIET_TICK_S = 0.5
+# process used 5.8-6.0 ms of CPU a second with ten rounds a second, 3.9-4.0 with two
+# (reads every 0.5 s), 2.6-2.8 with one and reads a second apart (with the
+# dispatcher's idle poll a look, Worker._dispatch_once).
+QUIET_TICK_S = 1.0
 REPORT_EVERY_S = 60.0
 # A report counts the pool's rows, which costs the database about half a second of
 # CPU at a million pending rows: a worker starting on a big backlog claims first.
@@ -170,7 +176,7 @@ class Maintenance:
             self.heartbeat(now)
         if self._due("checkpoint", now, CHECKPOINT_QUIET_S if quiet else CHECKPOINT_EVERY_S):
             self.store.checkpoint()
-        if self._due("peers", now, PEERS_EVERY_S):
+        if self._due("peers", now, PEERS_QUIET_S if quiet else PEERS_EVERY_S):
             self.worker.peers_seen(
                 self.store.run(
                     lambda tx: self.store.live_workers(tx, now), readonly=True, snapshot=False
@@ -179,7 +185,8 @@ class Maintenance:
         pools = [p for p in self.worker.served() if p in self.worker.configs]
         if not pools:
             return
-        rescue = self._due("rescue", now, RESCUE_EVERY_S) and self._settled(now)
+        rescue = self._due("rescue", now, RESCUE_QUIET_S if quiet else RESCUE_EVERY_S)
+        rescue = rescue and self._settled(now)
         every = HANDLERS_QUIET_S if quiet else HANDLERS_EVERY_S
         handlers = now + self._early - self._handlers_read >= every or now >= self._handlers_at
         if rescue or handlers:
@@ -280,7 +287,9 @@ class Maintenance:
         # Every pool this worker may have claimed from: served() grows, never shrinks.
         pools = worker.served()
         rows = self.store.run(
-            lambda tx: self.store.running_of(tx, worker.info.id, pools), readonly=True
+            lambda tx: self.store.running_of(tx, worker.info.id, pools),
+            readonly=True,
+            snapshot=False,  # one statement: BEGIN and COMMIT would only add round trips
         )
         known = worker.inflight_keys()
         orphans = [

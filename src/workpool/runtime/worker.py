@@ -317,7 +317,7 @@ class Worker:
 
     def peers_seen(self, workers: list[list[str]]) -> None:
         """The pools each live worker serves (empty: all), as the maintenance loop read
-        them (every PEERS_EVERY_S)."""
+        them (every PEERS_EVERY_S; PEERS_QUIET_S in a quiet worker)."""
         self._peer_pools, self._peers = workers, {}
 
     def _share(self, pool: str, now: float) -> int | None:
