@@ -17,6 +17,7 @@ import pytest
 
 import workpool
 from conftest import background_worker, calls_at_rest, wait_for
+from workpool.store.base import Watcher
 from workpool.store.sqlite.wal_bell import WalBell
 
 
@@ -294,6 +295,70 @@ def test_a_resting_workers_maintenance_wakes_once_a_second_and_a_start_wakes_it(
     assert resting <= 3, f"{resting} rounds in 2 s of rest"
     busy = [t for t in rounds if started[0] <= t <= started[0] + 0.6]
     assert len(busy) >= 0.6 / TICK_S / 2, f"{len(busy)} rounds in the 0.6 s the attempt ran"
+
+
+class _Deaf(Watcher):
+    """A watcher that never hears a change: every notification is missed."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+
+    def wait(self, timeout: float) -> bool:
+        self._stop.wait(timeout)
+        return False
+
+    def interrupt(self) -> None:
+        self._stop.set()
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def test_a_missed_notification_is_covered_by_the_idle_poll_which_only_looks(
+    app: Any, monkeypatch: Any
+) -> None:
+    """A worker that hears nothing still starts new work within its idle poll. The
+    poll looks first (one read) and claims only when the look finds work: on
+    PostgreSQL a claim is a transaction of four statements and a COMMIT, once a
+    second for ever in an idle worker."""
+    from workpool.runtime.worker import IDLE_POLL_S
+
+    monkeypatch.setattr(app.store, "watcher", _Deaf)
+    claims = _counted(monkeypatch, app.store, "claim_many_later")
+    looks = _counted(monkeypatch, app.store, "claimable")
+
+    @app.action(name="quick")
+    def quick() -> str:
+        return "ok"
+
+    pool = app.pool("deaf")
+    pool.stats()
+    with background_worker(app):
+        time.sleep(IDLE_POLL_S + 0.5)  # past its start and a first poll
+        claims.clear()
+        looks.clear()
+        time.sleep(2 * IDLE_POLL_S + 0.2)
+        idle_claims, idle_looks = len(claims), len(looks)
+        enqueued = time.monotonic()
+        wid = pool.enqueue_action(quick)
+        wait_for(lambda: pool.status(wid).state == "finished", timeout=10)
+        waited = time.monotonic() - enqueued
+    assert idle_claims == 0, f"{idle_claims} claims in {2 * IDLE_POLL_S} s of idle polls"
+    assert idle_looks >= 2, f"{idle_looks} looks in {2 * IDLE_POLL_S} s of idle polls"
+    assert waited < IDLE_POLL_S + 2.0, f"started {waited:.2f} s after its enqueue"
+
+
+def _counted(monkeypatch: Any, store: Any, name: str) -> list[float]:
+    """When each call of ``store``'s method ``name`` began (monotonic)."""
+    calls: list[float] = []
+    method = getattr(store, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(time.monotonic())
+        return method(*args, **kwargs)
+
+    monkeypatch.setattr(store, name, counted)
+    return calls
 
 
 def test_a_resting_worker_still_heartbeats_on_time(app: Any, monkeypatch: Any) -> None:

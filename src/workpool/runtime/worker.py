@@ -151,6 +151,10 @@ class Worker:
         # Set while it is not parked: only then do the watcher's wake-ups matter.
         self._unparked = threading.Event()
         self._recheck = False  # it is woken only to look, not to claim
+        # Its last sleep was the idle poll's whole length, with no wake-up: it only
+        # covers a missed notification, so it looks before it claims (one read, where
+        # a claim on PostgreSQL is a transaction of four statements and its COMMIT).
+        self._polled = False
         self._watcher: Watcher | None = None  # the watch loop's, for stop() to interrupt
         self._turns = itertools.count()  # which pool a claim's shares start from
         # The pools each live worker serves (read by the maintenance loop) and, per
@@ -253,7 +257,7 @@ class Worker:
             if wait is None:
                 return
             if wait > 0:
-                self.wake.wait(wait)
+                self._polled = not self.wake.wait(wait) and wait >= IDLE_POLL_S
 
     def _dispatch_once(self) -> float | None:
         """Claim and start what fits; how long to wait for a wake-up (None: idle, leave)."""
@@ -264,6 +268,7 @@ class Worker:
                 if wait > 0:
                     return wait  # the other workers' turn at the slots held back for them
             recheck, self._recheck = self._recheck, False
+            polled, self._polled = self._polled, False
             # Whoever records these outcomes (the completer, or an action's own thread)
             # claims for the freed slots in that transaction, then wakes us: a claim of
             # our own now would only compete. With every slot busy, a finishing
@@ -283,10 +288,10 @@ class Worker:
         claimed: list[ClaimedWork] = []
         more = False
         try:
-            # After a claim that found nothing, or when the completer's claim just took
-            # all there was, look before taking the claim lock: a worker whose pools are
-            # full must not make the busy ones wait.
-            look = (self._dry and self.store.look_before_claim) or recheck
+            # After a claim that found nothing (SQLite), when the completer's claim just
+            # took all there was, or after an idle poll, look before taking the claim
+            # lock: a worker whose pools are full must not make the busy ones wait.
+            look = (self._dry and self.store.look_before_claim) or recheck or polled
             if not look or self.store.run(self._claimable, readonly=True, snapshot=False):
                 claimed, more = self.store.run(lambda tx: self._claim_in(tx, free=free))()
                 self._start_all(claimed)
