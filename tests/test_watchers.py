@@ -254,19 +254,25 @@ def test_a_sqlite_write_transaction_takes_the_write_lock_at_its_first_statement(
     other.close()
 
 
+def _counted(monkeypatch: Any, owner: Any, name: str) -> list[float]:
+    """When each call of ``owner``'s method ``name`` began (monotonic). ``owner`` is
+    a class (the calls of every instance) or one object."""
+    calls: list[float] = []
+    method = getattr(owner, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(time.monotonic())
+        return method(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
 def _rounds(monkeypatch: Any, name: str) -> list[float]:
     """When each call of the maintenance loop's method ``name`` began (monotonic)."""
     from workpool.runtime.maintenance import Maintenance
 
-    calls: list[float] = []
-    method = getattr(Maintenance, name)
-
-    def counted(self: Any, *args: Any) -> Any:
-        calls.append(time.monotonic())
-        return method(self, *args)
-
-    monkeypatch.setattr(Maintenance, name, counted)
-    return calls
+    return _counted(monkeypatch, Maintenance, name)
 
 
 def test_a_resting_workers_maintenance_wakes_once_a_second_and_a_start_wakes_it(
@@ -346,19 +352,6 @@ def test_a_missed_notification_is_covered_by_the_idle_poll_which_only_looks(
     assert idle_claims == 0, f"{idle_claims} claims in {2 * IDLE_POLL_S} s of idle polls"
     assert idle_looks >= 2, f"{idle_looks} looks in {2 * IDLE_POLL_S} s of idle polls"
     assert waited < IDLE_POLL_S + 2.0, f"started {waited:.2f} s after its enqueue"
-
-
-def _counted(monkeypatch: Any, store: Any, name: str) -> list[float]:
-    """When each call of ``store``'s method ``name`` began (monotonic)."""
-    calls: list[float] = []
-    method = getattr(store, name)
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls.append(time.monotonic())
-        return method(*args, **kwargs)
-
-    monkeypatch.setattr(store, name, counted)
-    return calls
 
 
 def test_a_resting_worker_still_heartbeats_on_time(app: Any, monkeypatch: Any) -> None:
