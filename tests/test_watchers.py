@@ -280,7 +280,7 @@ def test_a_resting_workers_maintenance_wakes_once_a_second_and_a_start_wakes_it(
 ) -> None:
     """Quiet with nothing in flight, a worker's maintenance loop sleeps until its
     next duty (its reads come a second apart), not ten rounds a second: on
-    PostgreSQL that took an idle worker from 5.8 to 2.6 ms of CPU a second. A start
+    PostgreSQL that took an idle worker from 5.8 to 2.6-3.0 ms of CPU a second. A start
     wakes it, and it goes back to a tick's pace, which an attempt's timeout needs."""
     from workpool.runtime.maintenance import QUIET_S, TICK_S
 

@@ -41,7 +41,7 @@ RESCUE_QUIET_S = 1.0
 # at least this far apart: its loop sleeps until the next one is due, this long at
 # most, and a stir (Maintenance.nudge) ends the sleep. An idle PostgreSQL worker's
 # process used 5.8-6.0 ms of CPU a second with ten rounds a second, 3.9-4.0 with two
-# (reads every 0.5 s), 2.6-2.8 with one and reads a second apart (with the
+# (reads every 0.5 s), 2.6-3.0 with one and reads a second apart (with the
 # dispatcher's idle poll a look, Worker._dispatch_once).
 QUIET_TICK_S = 1.0
 REPORT_EVERY_S = 60.0
