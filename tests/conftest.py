@@ -12,8 +12,8 @@ fresh PostgreSQL schema.  PostgreSQL comes from, in order:
 
 Helpers (import them with ``from conftest import ...``):
 ``ph(app)``, ``wait_for(predicate, timeout)``, ``run_until_idle(app, ...)``,
-``background_worker(app, ...)``, ``calls_at_rest(calls, settle)``, ``UserTable``
-and the ``user_table`` fixture.
+``background_worker(app, ...)``, ``counted_calls(monkeypatch, owner, name)``,
+``calls_at_rest(calls, settle)``, ``UserTable`` and the ``user_table`` fixture.
 """
 
 from __future__ import annotations
@@ -268,6 +268,20 @@ def _app_url(app: Any) -> str:
     if isinstance(value, str):
         return value
     raise AssertionError("cannot tell the store of this App (no .url)")
+
+
+def counted_calls(monkeypatch: Any, owner: Any, name: str) -> list[float]:
+    """When each call of ``owner``'s method ``name`` began (monotonic): ``owner`` is a
+    class (the calls of every instance) or one object."""
+    calls: list[float] = []
+    method = getattr(owner, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(time.monotonic())
+        return method(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
 
 
 def calls_at_rest(calls: list[Any], settle: float, seconds: float = 2.0) -> int:

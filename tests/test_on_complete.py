@@ -10,7 +10,14 @@ from typing import Any
 import pytest
 
 import workpool
-from conftest import Recorder, background_worker, calls_at_rest, run_until_idle, wait_for
+from conftest import (
+    Recorder,
+    background_worker,
+    calls_at_rest,
+    counted_calls,
+    run_until_idle,
+    wait_for,
+)
 from workpool import NonRetryableError, RetryBehavior
 
 pytestmark = pytest.mark.timeout(120)
@@ -790,15 +797,7 @@ def test_a_quiet_worker_looks_for_handler_retries_less_often_yet_runs_them_on_ti
     worker is quiet runs."""
     from workpool.runtime.maintenance import HANDLERS_QUIET_S, QUIET_S
 
-    store = app.store
-    looks: list[float] = []
-    due = store.maintenance_due
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        looks.append(time.monotonic())
-        return due(*args, **kwargs)
-
-    monkeypatch.setattr(store, "maintenance_due", counted)
+    looks = counted_calls(monkeypatch, app.store, "maintenance_due")
     handled: list[str] = []
     failures = [1]
 

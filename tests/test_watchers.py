@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 import workpool
-from conftest import background_worker, calls_at_rest, wait_for
+from conftest import background_worker, calls_at_rest, counted_calls, wait_for
 from workpool.store.base import Watcher
 from workpool.store.sqlite.wal_bell import WalBell
 
@@ -254,25 +254,11 @@ def test_a_sqlite_write_transaction_takes_the_write_lock_at_its_first_statement(
     other.close()
 
 
-def _counted(monkeypatch: Any, owner: Any, name: str) -> list[float]:
-    """When each call of ``owner``'s method ``name`` began (monotonic). ``owner`` is
-    a class (the calls of every instance) or one object."""
-    calls: list[float] = []
-    method = getattr(owner, name)
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls.append(time.monotonic())
-        return method(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, counted)
-    return calls
-
-
 def _rounds(monkeypatch: Any, name: str) -> list[float]:
     """When each call of the maintenance loop's method ``name`` began (monotonic)."""
     from workpool.runtime.maintenance import Maintenance
 
-    return _counted(monkeypatch, Maintenance, name)
+    return counted_calls(monkeypatch, Maintenance, name)
 
 
 def test_a_resting_workers_maintenance_wakes_once_a_second_and_a_start_wakes_it(
@@ -330,8 +316,8 @@ def test_a_missed_notification_is_covered_by_the_idle_poll_which_only_looks(
     from workpool.runtime.worker import IDLE_POLL_S
 
     monkeypatch.setattr(app.store, "watcher", _Deaf)
-    claims = _counted(monkeypatch, app.store, "claim_many_later")
-    looks = _counted(monkeypatch, app.store, "claimable")
+    claims = counted_calls(monkeypatch, app.store, "claim_many_later")
+    looks = counted_calls(monkeypatch, app.store, "claimable")
 
     @app.action(name="quick")
     def quick() -> str:
