@@ -185,8 +185,8 @@ class Maintenance:
         pools = [p for p in self.worker.served() if p in self.worker.configs]
         if not pools:
             return
-        rescue = self._due("rescue", now, RESCUE_QUIET_S if quiet else RESCUE_EVERY_S)
-        rescue = rescue and self._settled(now)
+        rescue_every = RESCUE_QUIET_S if quiet else RESCUE_EVERY_S
+        rescue = self._due("rescue", now, rescue_every) and self._settled(now)
         every = HANDLERS_QUIET_S if quiet else HANDLERS_EVERY_S
         handlers = now + self._early - self._handlers_read >= every or now >= self._handlers_at
         if rescue or handlers:
