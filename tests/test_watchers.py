@@ -312,12 +312,14 @@ def test_a_missed_notification_is_covered_by_the_idle_poll_which_only_looks(
     """A worker that hears nothing still starts new work within its idle poll. The
     poll looks first (one read) and claims only when the look finds work: on
     PostgreSQL a claim is a transaction of four statements and a COMMIT, once a
-    second for ever in an idle worker."""
+    second for ever in an idle worker. A poll that found nothing reads the next due
+    time (and the configs) again only every POLL_READS_S."""
     from workpool.runtime.worker import IDLE_POLL_S
 
     monkeypatch.setattr(app.store, "watcher", _Deaf)
     claims = counted_calls(monkeypatch, app.store, "claim_many_later")
     looks = counted_calls(monkeypatch, app.store, "claimable")
+    dues = counted_calls(monkeypatch, app.store, "next_due")
 
     @app.action(name="quick")
     def quick() -> str:
@@ -329,15 +331,45 @@ def test_a_missed_notification_is_covered_by_the_idle_poll_which_only_looks(
         time.sleep(IDLE_POLL_S + 0.5)  # past its start and a first poll
         claims.clear()
         looks.clear()
+        dues.clear()
         time.sleep(2 * IDLE_POLL_S + 0.2)
-        idle_claims, idle_looks = len(claims), len(looks)
+        idle_claims, idle_looks, idle_dues = len(claims), len(looks), len(dues)
         enqueued = time.monotonic()
         wid = pool.enqueue_action(quick)
         wait_for(lambda: pool.status(wid).state == "finished", timeout=10)
         waited = time.monotonic() - enqueued
     assert idle_claims == 0, f"{idle_claims} claims in {2 * IDLE_POLL_S} s of idle polls"
     assert idle_looks >= 2, f"{idle_looks} looks in {2 * IDLE_POLL_S} s of idle polls"
+    # Round 52's poll read it after every look: 2 in this window.
+    assert idle_dues <= 1, f"{idle_dues} reads of the next due time in {2 * IDLE_POLL_S} s"
     assert waited < IDLE_POLL_S + 2.0, f"started {waited:.2f} s after its enqueue"
+
+
+def test_scheduled_work_whose_notification_was_missed_starts_within_a_poll_of_due(
+    app: Any, monkeypatch: Any
+) -> None:
+    """Its due time is read no more than every POLL_READS_S by a worker that hears
+    nothing, but the poll's look finds it once it is due."""
+    from workpool.runtime.worker import IDLE_POLL_S, POLL_READS_S
+
+    monkeypatch.setattr(app.store, "watcher", _Deaf)
+
+    @app.action(name="stamp")
+    def stamp() -> float:
+        return time.time()
+
+    pool = app.pool("deaf_later")
+    pool.stats()
+    with background_worker(app):
+        time.sleep(IDLE_POLL_S + 0.5)  # past its start, resting on its idle polls
+        due = time.time() + POLL_READS_S / 2
+        wid = pool.enqueue_action(stamp, run_at=due)
+        wait_for(lambda: pool.status(wid).state == "finished", timeout=POLL_READS_S + 10)
+    status = pool.status(wid)
+    assert isinstance(status, workpool.Finished) and status.result is not None
+    started = status.result.return_value
+    assert started >= due, f"started {due - started:.3f} s before it was due"
+    assert started - due < IDLE_POLL_S + 1.0, f"started {started - due:.2f} s after due"
 
 
 def test_a_resting_worker_still_heartbeats_on_time(app: Any, monkeypatch: Any) -> None:
