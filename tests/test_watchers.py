@@ -372,6 +372,23 @@ def test_scheduled_work_whose_notification_was_missed_starts_within_a_poll_of_du
     assert started - due < IDLE_POLL_S + 1.0, f"started {started - due:.2f} s after due"
 
 
+def test_a_resting_worker_reads_when_its_duties_are_due_only_when_one_may_be(
+    app: Any, monkeypatch: Any
+) -> None:
+    """Its reports and prunes are a minute apart: it reads their times again when
+    the earliest falls due, after taking a turn, or DUTY_TIMES_READ_S after the
+    last read, not every second."""
+    from workpool.runtime.maintenance import QUIET_S, REPORT_FIRST_S
+
+    reads = counted_calls(monkeypatch, app.store, "duty_times")
+    app.pool("resting").stats()
+    with background_worker(app):
+        # Before its first report (REPORT_FIRST_S), whose turn is a read again.
+        seen = calls_at_rest(reads, QUIET_S + 0.5, REPORT_FIRST_S - QUIET_S - 1.5)
+    # Round 52's worker read them once a second: 2 here.
+    assert seen == 0, f"{seen} reads of the duties' times in {REPORT_FIRST_S - QUIET_S - 1.5} s"
+
+
 def test_a_resting_worker_still_heartbeats_on_time(app: Any, monkeypatch: Any) -> None:
     """Its sleep ends when its earliest duty is due: with a lease of 0.9 s it
     heartbeats every 0.3 s, sooner than a resting round would come."""

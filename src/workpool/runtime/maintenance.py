@@ -49,6 +49,11 @@ REPORT_EVERY_S = 60.0
 # CPU at a million pending rows: a worker starting on a big backlog claims first.
 REPORT_FIRST_S = 5.0
 PRUNE_EVERY_S = 60.0
+# When the duties are next due is read again when the earliest of them (of the
+# worker's pools) falls due, after a pass that took a turn, and at least this often:
+# a turn moves only forward, but a pruner that ran out of its budget sets its pool's
+# next turn sooner (PRUNE_AGAIN_S), and if it dies the others pick that up from here.
+DUTY_TIMES_READ_S = 10.0
 # Pools whose due duties one pass (a second) takes: 200 pools at 1-2 ms each keep the
 # heartbeat prompt, and serve 6,000 pools' two duties a minute from one worker.
 DUTY_POOLS_PER_PASS = 200
@@ -114,6 +119,9 @@ class Maintenance:
         self._report_from = worker.clock() + REPORT_FIRST_S
         self._handlers_read = 0.0  # when handler retries were last looked for
         self._handlers_at = 0.0  # when the earliest one is due, as that look saw it
+        # The duties' next times as last read (duty_times), and when to read them again.
+        self._times: dict[tuple[str, str], float] = {}
+        self._times_until = 0.0
 
     def stop(self) -> None:
         self._stop.set()
@@ -213,13 +221,13 @@ class Maintenance:
             self.adopt_orphans(now)
         store = self.store
         if self._due("duties", now, 1.0):
-            # One read of when every duty is next due: a turn is a write transaction,
-            # and asking for two turns of every pool each second cost an idle worker
-            # of 500 pools a fifth of a core (and PostgreSQL as much again).
-            times = store.run(store.duty_times, readonly=True, snapshot=False)
+            times = self._duty_times(pools, now)
             until = time.monotonic() + PRUNE_BUDGET_S
-            for pool in self._due_pools(pools, now, times):
+            due = self._due_pools(pools, now, times)
+            for pool in due:
                 self.duties(pool, now, times, until)
+            if due:
+                self._times_until = 0.0  # the turns taken moved them
             # Once a minute per worker, not per pool: it is one DELETE for the store.
             if self._due("forget", now, PRUNE_EVERY_S):
                 store.run(lambda tx: store.forget_dead_workers(tx, now))
@@ -348,6 +356,22 @@ class Maintenance:
         if total:
             self.worker.wake.set()
         return total
+
+    def _duty_times(self, pools: list[str], now: float) -> dict[tuple[str, str], float]:
+        """When each duty is next due (``duty_times``), read only when one of
+        ``pools``' may be due (see DUTY_TIMES_READ_S); a pool with none yet is due.
+
+        One read of them all: a turn is a write transaction, and asking for two turns
+        of every pool each second cost an idle worker of 500 pools a fifth of a core
+        (and PostgreSQL as much again). Read every second, it was one of the nine
+        statements an idle worker sent PostgreSQL a second.
+        """
+        if now + self._early >= self._times_until:
+            self._times = self.store.run(self.store.duty_times, readonly=True, snapshot=False)
+            served = set(pools)
+            soonest = [at for (pool, _), at in self._times.items() if pool in served]
+            self._times_until = min([*soonest, now + DUTY_TIMES_READ_S])
+        return self._times
 
     def _due_pools(
         self, pools: list[str], now: float, times: dict[tuple[str, str], float]
