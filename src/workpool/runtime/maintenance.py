@@ -50,7 +50,7 @@ REPORT_EVERY_S = 60.0
 REPORT_FIRST_S = 5.0
 PRUNE_EVERY_S = 60.0
 # When the duties are next due is read again when the earliest of them (of the
-# worker's pools) falls due, after a pass that took a turn, and at least this often:
+# worker's pools) falls due, after a pass that found one due, and at least this often:
 # a turn moves only forward, but a pruner that ran out of its budget sets its pool's
 # next turn sooner (PRUNE_AGAIN_S), and if it dies the others pick that up from here.
 DUTY_TIMES_READ_S = 10.0
@@ -227,7 +227,7 @@ class Maintenance:
             for pool in due:
                 self.duties(pool, now, times, until)
             if due:
-                self._times_until = 0.0  # the turns taken moved them
+                self._times_until = 0.0  # their turns moved them, ours or another's
             # Once a minute per worker, not per pool: it is one DELETE for the store.
             if self._due("forget", now, PRUNE_EVERY_S):
                 store.run(lambda tx: store.forget_dead_workers(tx, now))

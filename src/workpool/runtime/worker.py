@@ -570,6 +570,8 @@ class Worker:
         return self._until(next_due)
 
     def _until(self, next_due: float | None) -> float:
+        """The sleep until ``next_due`` (the clock's; None: nothing due later), at
+        most IDLE_POLL_S."""
         if next_due is None:
             # Nothing due later. Due work that the claim left is held by a pool at its
             # limit or paused: what changes that (a slot freed and not refilled, a
