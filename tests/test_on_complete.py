@@ -797,7 +797,7 @@ def test_a_quiet_worker_looks_for_handler_retries_less_often_yet_runs_them_on_ti
     worker is quiet runs."""
     from workpool.runtime.maintenance import HANDLERS_QUIET_S, QUIET_S
 
-    looks = counted_calls(monkeypatch, app.store, "maintenance_due")
+    looks = counted_calls(monkeypatch, app.store, "maintenance_due_later")
     handled: list[str] = []
     failures = [1]
 

@@ -289,6 +289,31 @@ def test_a_resting_workers_maintenance_wakes_once_a_second_and_a_start_wakes_it(
     assert len(busy) >= 0.6 / TICK_S / 2, f"{len(busy)} rounds in the 0.6 s the attempt ran"
 
 
+def test_a_resting_worker_reads_in_one_transaction_a_second(app: Any, monkeypatch: Any) -> None:
+    """At rest, the dispatcher's idle poll asks the maintenance loop to look for it
+    (Maintenance.look), and that round reads the peers, lost work, handler retries,
+    its running rows and the look in one transaction, sent at its end: on
+    PostgreSQL one round trip, so the server's process wakes once a second for
+    them, not three to five times."""
+    from workpool.runtime.maintenance import QUIET_S
+
+    runs = counted_calls(monkeypatch, app.store, "run")
+
+    @app.action(name="quick")
+    def quick() -> str:
+        return "ok"
+
+    pool = app.pool("resting")
+    with background_worker(app, lease=15.0):  # heartbeats 5 s apart
+        wid = pool.enqueue_action(quick)
+        wait_for(lambda: pool.status(wid).state == "finished", timeout=10)
+        # Quiet, and before its first report (REPORT_FIRST_S), whose turn is a write.
+        resting = calls_at_rest(runs, QUIET_S + 0.7)
+    # A round a second, and the dispatcher's read of the configs and the next due
+    # time (every POLL_READS_S) at most once. Round 53's worker: 6 and 7 in 2 s.
+    assert resting <= 3, f"{resting} transactions in 2 s of rest"
+
+
 class _Deaf(Watcher):
     """A watcher that never hears a change: every notification is missed."""
 
@@ -318,7 +343,7 @@ def test_a_missed_notification_is_covered_by_the_idle_poll_which_only_looks(
 
     monkeypatch.setattr(app.store, "watcher", _Deaf)
     claims = counted_calls(monkeypatch, app.store, "claim_many_later")
-    looks = counted_calls(monkeypatch, app.store, "claimable")
+    looks = counted_calls(monkeypatch, app.store, "claimable_later")
     dues = counted_calls(monkeypatch, app.store, "next_due")
 
     @app.action(name="quick")
@@ -380,7 +405,7 @@ def test_a_resting_worker_reads_when_its_duties_are_due_only_when_one_may_be(
     last read, not every second."""
     from workpool.runtime.maintenance import QUIET_S, REPORT_FIRST_S
 
-    reads = counted_calls(monkeypatch, app.store, "duty_times")
+    reads = counted_calls(monkeypatch, app.store, "duty_times_later")
     app.pool("resting").stats()
     with background_worker(app):
         # Before its first report (REPORT_FIRST_S), whose turn is a read again.

@@ -298,11 +298,14 @@ class Worker:
         claimed: list[ClaimedWork] = []
         more = False
         try:
-            # After a claim that found nothing (SQLite), when the completer's claim just
-            # took all there was, or after an idle poll, look before taking the claim
-            # lock: a worker whose pools are full must not make the busy ones wait.
-            look = (self._dry and self.store.look_before_claim) or recheck or polled
-            found = not look or self.store.run(self._claimable, readonly=True, snapshot=False)
+            # After a claim that found nothing (SQLite), or when the completer's claim
+            # just took all there was, look before taking the claim lock: a worker
+            # whose pools are full must not make the busy ones wait. An idle poll's
+            # look goes with the maintenance loop's reads (below), and no claim.
+            look = (self._dry and self.store.look_before_claim) or recheck
+            found = not polled and (
+                not look or self.store.run(self._claimable, readonly=True, snapshot=False)
+            )
             if found:
                 claimed, more = self.store.run(lambda tx: self._claim_in(tx, free=free))()
                 self._start_all(claimed)
@@ -329,13 +332,21 @@ class Worker:
             if self._idle():
                 return None
             return min(self._sleep_time(), SHORT_POLL_S)
-        if polled and not found and time.monotonic() < self._poll_reads_due:
-            # An idle poll that found nothing: nothing was heard since the last
-            # read, so the due time it gave still holds. (An idle worker on
-            # PostgreSQL sent these two reads every second, 20 of its 92
-            # statements in 10 s.)
-            return self._until(self._next_due)
-        return self._sleep_time()
+        if not polled:
+            return self._sleep_time()
+        if time.monotonic() < self._poll_reads_due:
+            # An idle poll: nothing was heard since the last read, so the due time
+            # it gave still holds. (An idle worker on PostgreSQL sent these two
+            # reads every second, 20 of its 92 statements in 10 s.)
+            wait = self._until(self._next_due)
+        else:
+            wait = self._sleep_time()
+        # Whether a claim would get work is asked by the maintenance loop's round,
+        # which goes now, with its own reads in one round trip, and wakes us if so:
+        # the server's process wakes once a second at rest, not three to five times
+        # (see Maintenance.look).
+        self.maintenance.look()
+        return wait
 
     def peers_seen(self, workers: list[list[str]]) -> None:
         """The pools each live worker serves (empty: all), as the maintenance loop read

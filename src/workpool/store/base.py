@@ -121,8 +121,9 @@ class Tx:
         role: str | None = None,
     ) -> Deferred:
         """Run a statement just before COMMIT (PostgreSQL sends them with the COMMIT
-        in one round trip); at once in a transaction adopted from the caller, whose
-        COMMIT the store does not send. ``rows``: keep what it returns, for reading
+        in one round trip, and the reads of a run without a snapshot together at its
+        end); at once in a transaction adopted from the caller, whose COMMIT the
+        store does not send. ``rows``: keep what it returns, for reading
         once the transaction has committed (``Deferred.rows``). ``alone``: when it is
         the transaction's only statement, it may run as a transaction of its own.
         ``role``: which of the store's statements it is, for a store that runs a
@@ -689,6 +690,12 @@ class Store(abc.ABC):
         """When each (pool, duty) is next due, as ``take_turn`` left it; one read for
         all pools, so that only the due turns cost a write transaction."""
 
+    def duty_times_later(self, tx: Tx) -> Callable[[], dict[tuple[str, str], float]]:
+        """``duty_times``, answered when the result is called after ``tx`` committed
+        (PostgreSQL reads it with the COMMIT, with the transaction's other such reads)."""
+        times = self.duty_times(tx)
+        return lambda: times
+
     # --- work -------------------------------------------------------------------------
     @abc.abstractmethod
     def insert_work(self, tx: Tx, items: Sequence[NewWork], *, at_commit: bool = False) -> None:
@@ -763,6 +770,13 @@ class Store(abc.ABC):
     def claimable(self, tx: Tx, pools: Sequence[str] | None, now: float) -> bool:
         """Whether a claim in one of ``pools`` (None: all) would get work now: a cheap
         read that lets a worker skip the claim lock while its pools are full."""
+
+    def claimable_later(
+        self, tx: Tx, pools: Sequence[str] | None, now: float
+    ) -> Callable[[], bool]:
+        """``claimable``, answered after ``tx`` committed (as ``duty_times_later``)."""
+        found = self.claimable(tx, pools, now)
+        return lambda: found
 
     @abc.abstractmethod
     def end_attempt(self, tx: Tx, work: ClaimedWork) -> Callable[[], ClaimedWork | None]:
@@ -843,6 +857,13 @@ class Store(abc.ABC):
         running row, while the second reads only the handler retries due by then.
         """
 
+    def maintenance_due_later(
+        self, tx: Tx, pools: Sequence[str], now: float, *, lost: bool = True, within: float = 0.0
+    ) -> Callable[[], tuple[bool, float | None]]:
+        """``maintenance_due``, answered after ``tx`` committed (as ``duty_times_later``)."""
+        due = self.maintenance_due(tx, pools, now, lost=lost, within=within)
+        return lambda: due
+
     @abc.abstractmethod
     def running_of(
         self, tx: Tx, worker_id: str, pools: Sequence[str]
@@ -850,6 +871,13 @@ class Store(abc.ABC):
         """(id, attempt, started_at) of every running (or ended) attempt of ``pools``
         claimed by ``worker_id``: the pools let it read those rows only, not the
         backlog."""
+
+    def running_of_later(
+        self, tx: Tx, worker_id: str, pools: Sequence[str]
+    ) -> Callable[[], list[tuple[str, int, float]]]:
+        """``running_of``, answered after ``tx`` committed (as ``duty_times_later``)."""
+        rows = self.running_of(tx, worker_id, pools)
+        return lambda: rows
 
     @abc.abstractmethod
     def flag_cancel(self, tx: Tx, work: ActiveWork) -> bool:
@@ -877,6 +905,11 @@ class Store(abc.ABC):
         """What the hot table needs (PostgreSQL: see ``PostgresStore.upkeep``):
         ``analyze`` refreshes its statistics, ``tidy`` clears its dead entries."""
 
+    def upkeep_later(self, tx: Tx) -> Callable[[], Upkeep]:
+        """``upkeep``, answered after ``tx`` committed (as ``duty_times_later``)."""
+        need = self.upkeep()
+        return lambda: need
+
     @abc.abstractmethod
     def analyze(self) -> None:
         """Refresh the planner's statistics of the hot table."""
@@ -899,6 +932,11 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def live_workers(self, tx: Tx, now: float) -> list[list[str]]:
         """The pools each worker whose lease has not run out serves (empty: all)."""
+
+    def live_workers_later(self, tx: Tx, now: float) -> Callable[[], list[list[str]]]:
+        """``live_workers``, answered after ``tx`` committed (as ``duty_times_later``)."""
+        workers = self.live_workers(tx, now)
+        return lambda: workers
 
     @abc.abstractmethod
     def remove_worker(self, tx: Tx, worker_id: str) -> None: ...

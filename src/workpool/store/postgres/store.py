@@ -40,7 +40,7 @@ from workpool.store.base import (
 )
 from workpool.store.fds import InputWait, readable
 from workpool.store.postgres.migrations import MIGRATIONS
-from workpool.store.sql import CLAIM_SPLIT_MIN, SqlStore, check_schema
+from workpool.store.sql import CLAIM_SPLIT_MIN, Read, SqlStore, check_schema
 from workpool.store.sql_reads import ACTIVE_COLUMNS, active_row, storable
 from workpool.store.url import whole_number
 
@@ -325,7 +325,22 @@ class PostgresStore(SqlStore):
             # Each statement is a transaction of its own (the connection is in
             # autocommit): there is nothing to begin or end. psycopg's pool rolls
             # back a connection that comes back inside a transaction.
-            return self._live_connection(), None, lambda tx, commit: pool.putconn(tx.raw)
+            def end_reads(tx: Tx, commit: bool) -> None:
+                conn, deferred = tx.raw, tx.deferred if commit else []
+                try:
+                    if len(deferred) == 1:
+                        deferred[0].ran(conn.execute(deferred[0].sql, deferred[0].params))
+                    elif deferred:
+                        # Reads asked for with the end (Tx.defer): one round trip, in
+                        # which the server reads them all as one implicit transaction.
+                        with conn.pipeline():
+                            cursors = [conn.execute(d.sql, d.params) for d in deferred]
+                        for read, cursor in zip(deferred, cursors, strict=True):
+                            read.ran(cursor)
+                finally:
+                    pool.putconn(conn)
+
+            return self._live_connection(), None, end_reads
 
         def end(tx: Tx, commit: bool) -> None:
             conn = tx.raw  # send_begin may have replaced the first one
@@ -561,20 +576,29 @@ class PostgresStore(SqlStore):
         are the statistics collector's count, which backends report about once a
         second.
         """
-        with self._connections().connection() as conn:
-            row = conn.execute(
-                "SELECT c.reltuples, c.relpages,"
-                " pg_relation_size(c.oid) / current_setting('block_size')::int,"
-                " pg_stat_get_dead_tuples(c.oid)"
-                " FROM pg_class c WHERE c.oid = %s::regclass",
-                (f"{self.table_prefix}work",),
-            ).fetchone()
-        if row is None:
-            return Upkeep()
-        tuples, pages, actual, dead = float(row[0]), int(row[1]), int(row[2]), int(row[3])
-        # Never analysed (-1): the planner then estimates from the table's size.
-        stale = actual >= STATS_MIN_PAGES and tuples >= 0 and (tuples < 1 or actual > 2 * pages)
-        return Upkeep(analyze=stale, vacuum=dead >= VACUUM_DEAD_ROWS)
+        return self.run(self.upkeep_later, readonly=True)()
+
+    def upkeep_later(self, tx: Tx) -> Callable[[], Upkeep]:
+        return self._read_later(tx, self._upkeep_read())
+
+    def _upkeep_read(self) -> Read[Upkeep]:
+        def parse(rows: list[Any]) -> Upkeep:
+            if not rows:
+                return Upkeep()
+            row = rows[0]
+            tuples, pages, actual, dead = float(row[0]), int(row[1]), int(row[2]), int(row[3])
+            # Never analysed (-1): the planner then estimates from the table's size.
+            stale = actual >= STATS_MIN_PAGES and tuples >= 0 and (tuples < 1 or actual > 2 * pages)
+            return Upkeep(analyze=stale, vacuum=dead >= VACUUM_DEAD_ROWS)
+
+        return Read(
+            "SELECT c.reltuples, c.relpages,"
+            " pg_relation_size(c.oid) / current_setting('block_size')::int,"
+            " pg_stat_get_dead_tuples(c.oid)"
+            " FROM pg_class c WHERE c.oid = ?::regclass",
+            (f"{self.table_prefix}work",),
+            parse,
+        )
 
     def analyze(self) -> None:
         # Inside a transaction, so that it can wait a bounded time: a VACUUM (the
