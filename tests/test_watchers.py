@@ -289,6 +289,20 @@ def test_a_resting_workers_maintenance_wakes_once_a_second_and_a_start_wakes_it(
     assert len(busy) >= 0.6 / TICK_S / 2, f"{len(busy)} rounds in the 0.6 s the attempt ran"
 
 
+def test_a_worker_whose_pools_are_not_stored_yet_rests_as_well(app: Any, monkeypatch: Any) -> None:
+    """A worker started before anything was enqueued to its pools (a pool's row is
+    written at its first use) has no duties of theirs yet: its maintenance loop
+    rests a second between rounds too. Their due times stayed in the past, and
+    such a worker went round ten times a second until its first work came."""
+    from workpool.runtime.maintenance import QUIET_S
+
+    rounds = _rounds(monkeypatch, "tick")
+    with background_worker(app, pools=["not_stored_yet"], lease=15.0):
+        resting = calls_at_rest(rounds, QUIET_S + 1.0)
+    # Round 53's worker: 20 rounds in these 2 s.
+    assert resting <= 3, f"{resting} rounds in 2 s of rest"
+
+
 def test_a_resting_worker_reads_in_one_transaction_a_second(app: Any, monkeypatch: Any) -> None:
     """At rest, the dispatcher's idle poll asks the maintenance loop to look for it
     (Maintenance.look), and that round reads the peers, lost work, handler retries,

@@ -203,16 +203,24 @@ class Maintenance:
         if self._due("checkpoint", now, CHECKPOINT_QUIET_S if quiet else CHECKPOINT_EVERY_S):
             self.store.checkpoint()
         peers = self._due("peers", now, PEERS_QUIET_S if quiet else PEERS_EVERY_S)
+        rescue_every = RESCUE_QUIET_S if quiet else RESCUE_EVERY_S
+        rescue = self._due("rescue", now, rescue_every) and self._settled(now)
+        every = HANDLERS_QUIET_S if quiet else HANDLERS_EVERY_S
+        handlers = now + self._early - self._handlers_read >= every or now >= self._handlers_at
+        orphans = self._due("orphans", now, ORPHANS_EVERY_S)
+        duties = self._due("duties", now, 1.0)
+        upkeep = self._due("upkeep", now, UPKEEP_QUIET_S if quiet else UPKEEP_EVERY_S)
+        # Once a minute per worker, not per pool: it is one DELETE for the store.
+        forget = self._due("forget", now, PRUNE_EVERY_S)
+        tidy = self._due("tidy", now, TIDY_EVERY_S)
         pools = [p for p in self.worker.served() if p in self.worker.configs]
-        rescue = handlers = orphans = duties = upkeep = False
-        if pools:
-            rescue_every = RESCUE_QUIET_S if quiet else RESCUE_EVERY_S
-            rescue = self._due("rescue", now, rescue_every) and self._settled(now)
-            every = HANDLERS_QUIET_S if quiet else HANDLERS_EVERY_S
-            handlers = now + self._early - self._handlers_read >= every or now >= self._handlers_at
-            orphans = self._due("orphans", now, ORPHANS_EVERY_S)
-            duties = self._due("duties", now, 1.0)
-            upkeep = self._due("upkeep", now, UPKEEP_QUIET_S if quiet else UPKEEP_EVERY_S)
+        if not pools:
+            # None of its pools is stored yet (nothing was enqueued to them): nothing
+            # to read or do for them, and their turns pass. (Their times stayed due,
+            # and a resting worker went round ten times a second until its first
+            # work came.)
+            rescue = handlers = orphans = duties = upkeep = forget = tidy = False
+            self._handlers_read, self._handlers_at = now, float("inf")
         times = duties and now + self._early >= self._times_until
         looking, self._looking = self._looking, False
         store = self.store
@@ -271,14 +279,11 @@ class Maintenance:
                 self.duties(pool, now, self._times, until)
             if due:
                 self._times_until = 0.0  # their turns moved them, ours or another's
-            # Once a minute per worker, not per pool: it is one DELETE for the store.
-            if self._due("forget", now, PRUNE_EVERY_S):
-                store.run(lambda tx: store.forget_dead_workers(tx, now))
-            # "" is no pool name: a duty of the whole store, one worker at a time.
-            if self._due("tidy", now, TIDY_EVERY_S) and store.run(
-                lambda tx: store.take_turn(tx, "", "tidy", now, TIDY_EVERY_S)
-            ):
-                store.tidy()
+        if forget:
+            store.run(lambda tx: store.forget_dead_workers(tx, now))
+        # "" is no pool name: a duty of the whole store, one worker at a time.
+        if tidy and store.run(lambda tx: store.take_turn(tx, "", "tidy", now, TIDY_EVERY_S)):
+            store.tidy()
         if need is None:
             return
         if need.vacuum and store.run(
