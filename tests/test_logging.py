@@ -267,6 +267,35 @@ def test_a_duties_pass_takes_a_bounded_number_of_pools_longest_due_first(app):
     assert pruned() == set(names), "the pools left out went first in the next pass"
 
 
+def test_a_maintenance_round_with_nothing_to_read_still_takes_its_turns(app):
+    """A round's reads go together at its end; a round in which none is due (the
+    peers, lost work, handler retries, its running rows, upkeep and the duties'
+    times all read a moment ago) still takes the turns that are due: here forgetting
+    a worker dead for an hour."""
+    from workpool.runtime.maintenance import PRUNE_EVERY_S
+    from workpool.runtime.worker import Worker, WorkerOptions
+    from workpool.store.base import WorkerInfo
+
+    store = app.store
+    app.pool("tended", max_parallelism=0).configure()
+    now = 1_000_000.0
+    worker = Worker(store, app.registry, WorkerOptions(pools=["tended"]), lambda: now)
+    worker.configs = {c.name: c for c in store.run(store.load_pools)}
+    rounds = worker.maintenance
+    rounds.tick(now)
+    later = now + PRUNE_EVERY_S
+    info = WorkerInfo("an-hour-ago", "gone.example", 1)
+    store.run(lambda tx: store.heartbeat(tx, info, later - 3616, later - 3601))
+    # Every read a moment ago and not due again; the duties' pass and forgetting due.
+    rounds._next = {name: later + 100.0 for name in rounds._next}
+    rounds._next["duties"] = rounds._next["forget"] = later
+    rounds._handlers_read, rounds._handlers_at = later, float("inf")
+    rounds._times_until = later + 100.0
+    rounds.tick(later)
+    sql = f"SELECT id FROM {store.table_prefix}workers WHERE id = 'an-hour-ago'"
+    assert not store.run(lambda tx: tx.execute(sql).fetchall()), "the dead worker is forgotten"
+
+
 def test_maintenance_forgets_workers_dead_for_an_hour_once_a_minute(app):
     from workpool.runtime.maintenance import PRUNE_EVERY_S
     from workpool.runtime.worker import Worker, WorkerOptions

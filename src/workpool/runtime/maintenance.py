@@ -251,9 +251,9 @@ class Maintenance:
         # them, the server's process wakes for them once a second, not three to five
         # times; the time it takes to wake costs it as much CPU as the reads (an
         # idle worker's server process 0.10 -> 0.07 % of a core).
-        if not (peers or rescue or handlers or orphans or times or upkeep or looking):
-            return
-        asked = store.run(ask, readonly=True, snapshot=False)
+        asked: list[Callable[[], Any] | None] = [None] * 6
+        if peers or rescue or handlers or orphans or times or upkeep or looking:
+            asked = store.run(ask, readonly=True, snapshot=False)
         answers = [None if answer is None else answer() for answer in asked]
         workers, lost_due, running, duty_times, need, claimable = answers
         if claimable:
