@@ -253,7 +253,7 @@ class Maintenance:
         # idle worker's server process 0.10 -> 0.07 % of a core).
         asked: list[Callable[[], Any] | None] = [None] * 6
         if peers or rescue or handlers or orphans or times or upkeep or looking:
-            asked = store.run(ask, readonly=True, snapshot=False)
+            asked = store.run(ask, readonly=True)
         answers = [None if answer is None else answer() for answer in asked]
         workers, lost_due, running, duty_times, need, claimable = answers
         if claimable:

@@ -121,9 +121,8 @@ class Tx:
         role: str | None = None,
     ) -> Deferred:
         """Run a statement just before COMMIT (PostgreSQL sends them with the COMMIT
-        in one round trip, and the reads of a run without a snapshot together at its
-        end); at once in a transaction adopted from the caller, whose COMMIT the
-        store does not send. ``rows``: keep what it returns, for reading
+        in one round trip); at once in a transaction adopted from the caller, whose
+        COMMIT the store does not send. ``rows``: keep what it returns, for reading
         once the transaction has committed (``Deferred.rows``). ``alone``: when it is
         the transaction's only statement, it may run as a transaction of its own.
         ``role``: which of the store's statements it is, for a store that runs a

@@ -325,22 +325,7 @@ class PostgresStore(SqlStore):
             # Each statement is a transaction of its own (the connection is in
             # autocommit): there is nothing to begin or end. psycopg's pool rolls
             # back a connection that comes back inside a transaction.
-            def end_reads(tx: Tx, commit: bool) -> None:
-                conn, deferred = tx.raw, tx.deferred if commit else []
-                try:
-                    if len(deferred) == 1:
-                        deferred[0].ran(conn.execute(deferred[0].sql, deferred[0].params))
-                    elif deferred:
-                        # Reads asked for with the end (Tx.defer): one round trip, in
-                        # which the server reads them all as one implicit transaction.
-                        with conn.pipeline():
-                            cursors = [conn.execute(d.sql, d.params) for d in deferred]
-                        for read, cursor in zip(deferred, cursors, strict=True):
-                            read.ran(cursor)
-                finally:
-                    pool.putconn(conn)
-
-            return self._live_connection(), None, end_reads
+            return self._live_connection(), None, lambda tx, commit: pool.putconn(tx.raw)
 
         def end(tx: Tx, commit: bool) -> None:
             conn = tx.raw  # send_begin may have replaced the first one
