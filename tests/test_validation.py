@@ -553,7 +553,7 @@ def test_enqueue_ids_are_unique_uuids(app, fns):
     pool.cancel_all()
 
 
-def test_work_ids_are_canonical_uuid7_with_the_time_and_74_random_bits():
+def test_work_ids_are_canonical_uuid7_counting_up_in_a_batch_from_74_random_bits():
     from workpool.core.ids import new_work_ids
 
     before = time.time_ns() // 1_000_000
@@ -565,14 +565,22 @@ def test_work_ids_are_canonical_uuid7_with_the_time_and_74_random_bits():
     assert {u.version for u in parsed} == {7}
     assert {u.variant for u in parsed} == {uuid.RFC_4122}
     assert all(before <= u.int >> 80 <= after for u in parsed)  # the 48-bit milliseconds
-    # Every random position varies: the 12 bits after the version, the 2 variant-digit
-    # bits and the 60 bits after them.
-    random_bits = [(u.int >> 64) & 0xFFF for u in parsed], [(u.int >> 60) & 3 for u in parsed]
-    assert len(set(random_bits[0])) > 3000 and set(random_bits[1]) == {0, 1, 2, 3}
-    low = [u.int & ((1 << 60) - 1) for u in parsed]
-    assert all(
-        any(v >> bit & 1 for v in low) and not all(v >> bit & 1 for v in low) for bit in range(60)
-    )
+    # A batch shares everything above its last 48 bits, which count up by one.
+    assert len({u.int >> 48 for u in parsed}) == 1
+    low = [u.int & ((1 << 48) - 1) for u in parsed]
+    assert low == list(range(low[0], low[0] + 20_000))
+    # Across batches every random position varies: the 12 bits after the version,
+    # the 2 variant-digit bits, the 12 bits after them and the 48 of the start.
+    starts = [uuid.UUID(new_work_ids(1)[0]).int for _ in range(4_000)]
+    assert len(set(starts)) == 4_000
+    fields = ((64, 0xFFF), (60, 3), (48, 0xFFF), (0, (1 << 48) - 1))
+    for shift, mask in fields:
+        seen = [v >> shift & mask for v in starts]
+        width = mask.bit_length()
+        assert all(
+            any(v >> bit & 1 for v in seen) and not all(v >> bit & 1 for v in seen)
+            for bit in range(width)
+        ), (shift, mask)
     assert new_work_ids(0) == []
 
 
