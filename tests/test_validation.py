@@ -584,6 +584,27 @@ def test_work_ids_are_canonical_uuid7_counting_up_in_a_batch_from_74_random_bits
     assert new_work_ids(0) == []
 
 
+@pytest.mark.parametrize("highest", [False, True])
+def test_a_batch_counts_within_its_last_48_bits_from_any_random_start(monkeypatch, highest):
+    import os
+
+    from workpool.core.ids import new_work_ids
+
+    count = 1_000
+    # All ones: a start taken modulo 2**48 alone would be 2**48 - 1, and counting
+    # would carry into the head. Else the random bits of the highest start allowed.
+    # Either way the head's 26 random bits are all ones, which a carry would change.
+    rand = ((1 << 48) - count) << 26 | (1 << 26) - 1 if highest else (1 << 80) - 1
+    monkeypatch.setattr(os, "urandom", lambda n: rand.to_bytes(n))
+    ids = new_work_ids(count)
+    parsed = [uuid.UUID(i) for i in ids]
+    assert {u.version for u in parsed} == {7} and {u.variant for u in parsed} == {uuid.RFC_4122}
+    assert {u.int >> 48 & (1 << 32) - 1 for u in parsed} == {0x7FFFBFFF}
+    low = [u.int & ((1 << 48) - 1) for u in parsed]
+    assert low == list(range(low[0], low[0] + count))
+    assert ids[-1].endswith("-ffffffffffff") == highest
+
+
 def test_errors_share_one_root():
     assert issubclass(workpool.WorkpoolError, Exception)
     assert issubclass(workpool.NonRetryableError, Exception)
