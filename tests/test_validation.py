@@ -571,7 +571,9 @@ def test_work_ids_are_canonical_uuid7_counting_up_in_a_batch_from_74_random_bits
     assert low == list(range(low[0], low[0] + 20_000))
     # Across batches every random position varies: the 12 bits after the version,
     # the 2 variant-digit bits, the 12 bits after them and the 48 of the start.
-    starts = [uuid.UUID(new_work_ids(1)[0]).int for _ in range(4_000)]
+    singles = [new_work_ids(1)[0] for _ in range(4_000)]
+    assert all(str(uuid.UUID(i)) == i and uuid.UUID(i).version == 7 for i in singles)
+    starts = [uuid.UUID(i).int for i in singles]
     assert len(set(starts)) == 4_000
     fields = ((64, 0xFFF), (60, 3), (48, 0xFFF), (0, (1 << 48) - 1))
     for shift, mask in fields:
