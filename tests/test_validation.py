@@ -553,7 +553,7 @@ def test_enqueue_ids_are_unique_uuids(app, fns):
     pool.cancel_all()
 
 
-def test_work_ids_are_canonical_uuid7_counting_up_in_a_batch_from_74_random_bits():
+def test_work_ids_are_canonical_uuid7_with_74_random_bits_alone_and_counting_up_in_a_batch():
     from workpool.core.ids import new_work_ids
 
     before = time.time_ns() // 1_000_000
